@@ -1,0 +1,5 @@
+import sys
+
+from sglang_harden.cli import main
+
+sys.exit(main())

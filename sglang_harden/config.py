@@ -1,0 +1,122 @@
+"""One configuration shared by every process: ``--harden-*`` flags and ``SGLANG_HARDEN_*`` env vars.
+
+The launcher turns its ``--harden-*`` flags into env vars so that spawned SGLang processes (scheduler,
+detokenizer) read the same settings through :func:`load_config`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+
+logger = logging.getLogger("sglang_harden")
+
+ENV_PREFIX = "SGLANG_HARDEN_"
+ACTIVATE_ENV = "SGLANG_HARDEN_ACTIVATE"
+
+
+class Mode(StrEnum):
+    ENFORCE = "enforce"
+    LOG = "log"
+    OFF = "off"
+
+
+class CapacityMode(StrEnum):
+    ENFORCE = "enforce"
+    CLAMP = "clamp"
+    LOG = "log"
+    OFF = "off"
+
+
+GUARDS: tuple[str, ...] = (
+    "admission",
+    "retire",
+    "coverage",
+    "abort_notify",
+    "lifecycle",
+    "checksum",
+    "page_tags",
+    "bootstrap_auth",
+)
+
+
+class ConfigError(ValueError):
+    """A setting has a value we cannot act on."""
+
+
+@dataclass(frozen=True)
+class HardenConfig:
+    admission: Mode = Mode.ENFORCE
+    retire: Mode = Mode.ENFORCE
+    coverage: Mode = Mode.ENFORCE
+    abort_notify: Mode = Mode.ENFORCE
+    lifecycle: Mode = Mode.ENFORCE
+    checksum: Mode = Mode.ENFORCE
+    page_tags: Mode = Mode.ENFORCE
+    bootstrap_auth: Mode = Mode.ENFORCE
+    capacity: CapacityMode = CapacityMode.ENFORCE
+    allow_unknown_pin: bool = False
+    quarantine_cap_pages: int = 0
+    transfer_window_pages: int = 1024
+    bootstrap_secret: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def mode(self, guard: str) -> Mode:
+        return getattr(self, guard)
+
+    def active_guards(self) -> list[str]:
+        return [g for g in GUARDS if self.mode(g) is not Mode.OFF]
+
+
+def _parse_field(name: str, raw: str, default: object) -> object:
+    try:
+        if isinstance(default, CapacityMode):
+            return CapacityMode(raw.strip().lower())
+        if isinstance(default, Mode):
+            return Mode(raw.strip().lower())
+        if isinstance(default, bool):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            value = int(raw)
+            if value < 0:
+                raise ValueError("must be >= 0")
+            return value
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {exc}") from None
+    return raw
+
+
+def load_config(environ: dict[str, str] | None = None) -> HardenConfig:
+    """Read the configuration from ``SGLANG_HARDEN_<FIELD>`` env vars; unknown values raise ConfigError."""
+    env = os.environ if environ is None else environ
+    defaults = HardenConfig()
+    values: dict[str, object] = {}
+    for f in fields(HardenConfig):
+        if f.name == "extra":
+            continue
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _parse_field(f.name, raw, getattr(defaults, f.name))
+    config = HardenConfig(**values)
+    _warn_disabled(config)
+    return config
+
+
+def _warn_disabled(config: HardenConfig) -> None:
+    for guard in GUARDS:
+        if config.mode(guard) is not Mode.ENFORCE:
+            logger.warning("sglang-harden guard %s is in %s mode", guard, config.mode(guard).value)
+    if config.capacity is not CapacityMode.ENFORCE:
+        logger.warning("sglang-harden capacity gate is in %s mode", config.capacity.value)
+
+
+def flag_to_env(flag: str, value: str) -> tuple[str, str]:
+    """``--harden-page-tags log`` -> (``SGLANG_HARDEN_PAGE_TAGS``, ``log``)."""
+    name = flag.removeprefix("--harden-").replace("-", "_")
+    known = {f.name for f in fields(HardenConfig)} - {"extra"}
+    if name not in known:
+        raise ConfigError(f"unknown option {flag}; known: " + ", ".join(sorted(known)))
+    _parse_field(name, value, getattr(HardenConfig(), name))
+    return ENV_PREFIX + name.upper(), value
