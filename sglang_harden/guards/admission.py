@@ -1,0 +1,53 @@
+"""Admission guard: a request that is already rejected, or too long for this node, never enters the PD
+handoff.
+
+Invariant: at both PD admission doors (prefill bootstrap queue, decode prealloc queue) a request is
+admitted only if it carries no pending rejection and its prompt fits this node's ``max_req_input_len``. A
+rejected request is retired with its *original* error (message and status), before any bootstrap, page
+allocation or KV transfer. If the node's limit is unknown the guard fails closed: an unknown limit is not
+a reason to admit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_harden.guards.base import Decision, Verdict, allow
+
+GUARD = "admission"
+
+
+@dataclass(frozen=True)
+class PendingRejection:
+    """An error SGLang already decided on (``to_finish``, ``finished_reason`` or the 0.4.x stub)."""
+
+    message: str
+    status_code: int = 400
+
+
+@dataclass(frozen=True)
+class AdmissionView:
+    """What the door knows about one request. ``limit`` is the node's ``max_req_input_len``."""
+
+    rid: str
+    role: str
+    prompt_len: int
+    pending: PendingRejection | None
+    limit: int | None
+
+
+def too_long_message(prompt_len: int, limit: int) -> str:
+    return f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({limit} tokens)."
+
+
+def decide_admission(view: AdmissionView) -> Decision:
+    """ALLOW the request through this door, or REJECT it with the error its client must see."""
+    context = {"rid": view.rid, "role": view.role, "prompt_len": view.prompt_len, "limit": view.limit}
+    if view.pending is not None:
+        return Decision(GUARD, Verdict.REJECT, view.pending.message, view.pending.status_code, context)
+    if view.limit is None:
+        reason = f"{view.role} does not know its max_req_input_len; refusing rather than admitting blind"
+        return Decision(GUARD, Verdict.REJECT, reason, 500, context)
+    if view.prompt_len > view.limit:
+        return Decision(GUARD, Verdict.REJECT, too_long_message(view.prompt_len, view.limit), 400, context)
+    return allow(GUARD, **context)

@@ -1,0 +1,244 @@
+"""Page lifecycle guard: a KV page goes back to the free list only when no write into it can still land.
+
+Invariant: every physical KV page has exactly one owner and one state at a time,
+FREE -> RESERVED -> WRITING -> WRITTEN -> (FREE | QUARANTINED -> FREE), and:
+
+* a page that was handed to a writer (WRITING) and whose owner lets go before the writer confirmed it
+  drained goes to QUARANTINE, never straight back to the free list; a bare timeout is no confirmation;
+* pages leave quarantine only through ``confirm_drained(owner)`` (the backend acknowledged, or the
+  sender is known gone);
+* quarantine is bounded: at the cap, the node stops admitting PD requests (HTTP 503) rather than
+  reuse pages;
+* on prefill, the *source* pages of a transfer stay held until the transfer settled, even after an abort;
+* transfers are cut into bounded windows of pages, so a drain wait is bounded too.
+
+Each call says who owns what afterwards through its return value (pages to free, pages to quarantine), in
+the way vLLM's KV connectors return whether they now own freeing blocks. Storage is three ``array``
+columns indexed by page; every operation costs O(pages touched). Generations come from one counter per
+ledger, so a page's (owner, generation) pair names exactly one reservation.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from sglang_harden.guards.base import Decision, Verdict, allow
+
+GUARD = "lifecycle"
+NO_OWNER = -1
+
+
+class PageState(IntEnum):
+    FREE = 0
+    RESERVED = 1
+    WRITING = 2
+    WRITTEN = 3
+    QUARANTINED = 4
+
+
+class LedgerError(RuntimeError):
+    """A call that would break the ledger's invariant (e.g. reserving a page that is not free)."""
+
+
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What the caller must do with the released pages. ``ignored``: not this owner's, or already let go."""
+
+    to_free: list[int]
+    to_quarantine: list[int]
+    ignored: list[int] = field(default_factory=list)
+
+
+LedgerSnapshot = tuple[tuple[tuple[int, str | None, int], ...], int, tuple[tuple[str, tuple[int, ...]], ...]]
+
+
+class PageLedger:
+    """Owner, generation and state of each page of one node's KV pool."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._state = array("b", [PageState.FREE]) * num_pages
+        self._owner = array("q", [NO_OWNER]) * num_pages
+        self._generation = array("q", [0]) * num_pages
+        self._next_generation = 1
+        self._owner_ids: dict[str, int] = {}
+        self._owner_names: dict[int, str] = {}
+        self._pages_held: dict[int, int] = {}
+        self._next_owner_id = 0
+        self._quarantine: dict[int, list[int]] = {}
+        self._quarantined = 0
+        self._source_holds: dict[str, list[int]] = {}
+
+    # ---- reading
+    def state(self, page: int) -> PageState:
+        return PageState(self._state[page])
+
+    def owner(self, page: int) -> str | None:
+        return self._owner_names.get(self._owner[page])
+
+    def generation(self, page: int) -> int:
+        return self._generation[page]
+
+    def quarantined_count(self) -> int:
+        return self._quarantined
+
+    def quarantined_pages(self, owner: str) -> list[int]:
+        owner_id = self._owner_ids.get(owner)
+        return list(self._quarantine.get(owner_id, ())) if owner_id is not None else []
+
+    # ---- decode side: reservation, writes, release
+    def reserve(self, owner: str, pages: Sequence[int]) -> int:
+        """Give ``pages`` (all FREE) to ``owner``; return the generation naming this reservation."""
+        for page in pages:
+            if self._state[page] != PageState.FREE:
+                raise LedgerError(
+                    f"page {page} is {self.state(page).name} (owner {self.owner(page)}), not FREE"
+                )
+        generation = self._next_generation
+        self._next_generation += 1
+        owner_id = self._intern(owner)
+        for page in pages:
+            self._state[page] = PageState.RESERVED
+            self._owner[page] = owner_id
+            self._generation[page] = generation
+        self._pages_held[owner_id] += len(pages)
+        return generation
+
+    def begin_write(self, owner: str, pages: Iterable[int]) -> list[int]:
+        """Pages are handed to a writer (their indices leave this node). Returns the pages refused (not owned
+        by ``owner`` or not RESERVED/WRITING); a non-empty answer means the caller must abort the request."""
+        return self._move(owner, pages, (PageState.RESERVED, PageState.WRITING), PageState.WRITING)
+
+    def finish_write(self, owner: str, pages: Iterable[int]) -> list[int]:
+        """Every write into ``pages`` landed. Returns the pages refused (see begin_write)."""
+        return self._move(owner, pages, (PageState.WRITING, PageState.WRITTEN), PageState.WRITTEN)
+
+    def release(self, owner: str, pages: Iterable[int], writer_drained: bool) -> ReleaseOutcome:
+        """``owner`` lets go of ``pages``; pages a writer may still write are quarantined unless drained."""
+        owner_id = self._owner_ids.get(owner, NO_OWNER)
+        to_free: list[int] = []
+        to_quarantine: list[int] = []
+        ignored: list[int] = []
+        for page in pages:
+            state = self._state[page]
+            if (
+                owner_id == NO_OWNER
+                or self._owner[page] != owner_id
+                or state in (PageState.FREE, PageState.QUARANTINED)
+            ):
+                ignored.append(page)
+            elif state == PageState.WRITING and not writer_drained:
+                self._state[page] = PageState.QUARANTINED
+                self._quarantine.setdefault(owner_id, []).append(page)
+                self._quarantined += 1
+                to_quarantine.append(page)
+            else:
+                self._free_page(page)
+                to_free.append(page)
+        return ReleaseOutcome(to_free, to_quarantine, ignored)
+
+    def confirm_drained(self, owner: str) -> list[int]:
+        """``owner``'s writer drained or is known gone: its quarantined pages go back to the free list."""
+        owner_id = self._owner_ids.get(owner)
+        if owner_id is None:
+            return []
+        pages = self._quarantine.pop(owner_id, [])
+        self._quarantined -= len(pages)
+        for page in pages:
+            self._free_page(page)
+        return pages
+
+    def admission_open(self, cap: int) -> Decision:
+        """REJECT (503) new PD requests while ``cap`` or more pages are quarantined (cap <= 0: default)."""
+        limit = cap if cap > 0 else default_quarantine_cap(self.num_pages)
+        fields = {"quarantined_pages": self._quarantined, "cap": limit}
+        if self._quarantined >= limit:
+            reason = (
+                f"{self._quarantined} KV pages are quarantined (cap {limit}) waiting for in-flight transfers "
+                "to drain; not admitting new requests until they do"
+            )
+            return Decision(GUARD, Verdict.REJECT, reason, 503, fields)
+        return allow(GUARD, **fields)
+
+    # ---- prefill side: source pages
+    def hold_source(self, owner: str, pages: Iterable[int]) -> None:
+        """Source pages of ``owner``'s transfer: not to be freed until :meth:`settle_source`."""
+        self._source_holds.setdefault(owner, []).extend(pages)
+
+    def source_held(self, owner: str) -> bool:
+        return owner in self._source_holds
+
+    def settle_source(self, owner: str) -> list[int]:
+        """The transfer settled (done, failed and drained, or known gone): the held pages may be freed now."""
+        return self._source_holds.pop(owner, [])
+
+    # ---- snapshots (for the protocol model's explorer)
+    def snapshot(self) -> LedgerSnapshot:
+        pages = tuple((self._state[p], self.owner(p), self._generation[p]) for p in range(self.num_pages))
+        holds = tuple(sorted((o, tuple(p)) for o, p in self._source_holds.items()))
+        return pages, self._next_generation, holds
+
+    @classmethod
+    def restore(cls, snap: LedgerSnapshot) -> PageLedger:
+        pages, next_generation, holds = snap
+        ledger = cls(len(pages))
+        for page, (state, owner, generation) in enumerate(pages):
+            if owner is not None:
+                owner_id = ledger._intern(owner)
+                ledger._owner[page] = owner_id
+                ledger._pages_held[owner_id] += 1
+                if state == PageState.QUARANTINED:
+                    ledger._quarantine.setdefault(owner_id, []).append(page)
+                    ledger._quarantined += 1
+            ledger._state[page] = state
+            ledger._generation[page] = generation
+        ledger._next_generation = next_generation
+        ledger._source_holds = {o: list(p) for o, p in holds}
+        return ledger
+
+    # ---- internals
+    def _intern(self, owner: str) -> int:
+        owner_id = self._owner_ids.get(owner)
+        if owner_id is None:
+            owner_id = self._next_owner_id
+            self._next_owner_id += 1
+            self._owner_ids[owner] = owner_id
+            self._owner_names[owner_id] = owner
+            self._pages_held[owner_id] = 0
+        return owner_id
+
+    def _move(
+        self, owner: str, pages: Iterable[int], allowed: tuple[int, ...], target: PageState
+    ) -> list[int]:
+        owner_id = self._owner_ids.get(owner, NO_OWNER)
+        refused = []
+        for page in pages:
+            if owner_id == NO_OWNER or self._owner[page] != owner_id or self._state[page] not in allowed:
+                refused.append(page)
+            else:
+                self._state[page] = target
+        return refused
+
+    def _free_page(self, page: int) -> None:
+        owner_id = self._owner[page]
+        self._state[page] = PageState.FREE
+        self._owner[page] = NO_OWNER
+        self._pages_held[owner_id] -= 1
+        if self._pages_held[owner_id] == 0 and owner_id not in self._quarantine:
+            del self._pages_held[owner_id]
+            del self._owner_ids[self._owner_names.pop(owner_id)]
+
+
+def default_quarantine_cap(num_pages: int) -> int:
+    """A quarter of the pool: enough to ride out a few stuck transfers, small enough to keep serving."""
+    return max(1, num_pages // 4)
+
+
+def split_into_windows(pages: Sequence[int], window: int) -> list[list[int]]:
+    """Cut a transfer into batches of at most ``window`` pages, so a wait for one to drain is bounded."""
+    if window <= 0:
+        raise ValueError(f"transfer window must be positive, got {window}")
+    return [list(pages[i : i + window]) for i in range(0, len(pages), window)]
