@@ -1,0 +1,113 @@
+"""The only package that knows SGLang's internal names, one module per version family.
+
+``activate()`` reads the installed SGLang version without importing SGLang, picks the family adapter and
+registers its hooks; each hook installs itself when its target module is imported in this process. An
+unknown pin is refused with a message naming it and the override (``SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1``,
+``--harden-allow-unknown-pin 1``), which then tries the nearest family and still fails closed on any hook
+whose target or signature does not match.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import threading
+from dataclasses import dataclass
+
+from sglang_harden.compat import hooks
+from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
+from sglang_harden.config import Mode
+
+logger = logging.getLogger("sglang_harden")
+
+# pin -> family module (under sglang_harden.compat)
+SUPPORTED_PINS: dict[str, str] = {
+    "0.5.19": "sglang_v05",
+    "0.5.20": "sglang_v05",
+    "0.5.21": "sglang_v05",
+    "0.5.23": "sglang_v05",
+}
+
+_lock = threading.Lock()
+_active: Activation | None = None
+
+
+@dataclass(frozen=True)
+class Activation:
+    pin: str
+    family: str
+    source: str
+    hooks: tuple[str, ...]
+
+
+def installed_sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def family_module_for(pin: str | None, allow_unknown: bool) -> str:
+    if pin in SUPPORTED_PINS:
+        return SUPPORTED_PINS[pin]
+    supported = ", ".join(sorted(SUPPORTED_PINS))
+    if pin is None:
+        raise HardenRefusal("sglang-harden: SGLang is not installed in this environment")
+    if not allow_unknown:
+        raise HardenRefusal(
+            f"sglang-harden: SGLang {pin} is not a supported pin (supported: {supported}). "
+            "Refusing to start unguarded. Override at your own risk with SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1 "
+            "(or --harden-allow-unknown-pin 1); every hook is still checked against this pin's code."
+        )
+    logger.warning("sglang-harden: unknown SGLang pin %s allowed by override; using family sglang_v05", pin)
+    return "sglang_v05"
+
+
+def activate(source: str) -> Activation:
+    """Register this family's hooks in this process (idempotent). Raises HardenRefusal on an unknown pin."""
+    global _active
+    with _lock:
+        if _active is not None:
+            return _active
+        pin = installed_sglang_version()
+        RUNTIME.configure(pin or "none", "", source)
+        module_name = family_module_for(pin, RUNTIME.config.allow_unknown_pin)
+        family = importlib.import_module(f"sglang_harden.compat.{module_name}")
+        RUNTIME.family = family.FAMILY
+        enabled = [h for h in family.HOOKS if _owner_enabled(h.owner)]
+        for hook in enabled:
+            hooks.register(hook)
+        for module, callback in family.MODULE_CALLBACKS.items():
+            from sglang_harden._importhook import when_imported
+
+            when_imported(module, callback)
+        _active = Activation(pin or "none", family.FAMILY, source, tuple(h.target for h in enabled))
+        return _active
+
+
+def _owner_enabled(owner: str) -> bool:
+    if owner == "startup":
+        return True
+    return RUNTIME.config.mode(owner) is not Mode.OFF
+
+
+def active() -> Activation | None:
+    return _active
+
+
+def describe() -> dict[str, object]:
+    """What an operator tool needs: pin, family, whether supported, guards supplied and active here."""
+    pin = installed_sglang_version()
+    supported = pin in SUPPORTED_PINS
+    activation = _active
+    installed = {h.target: hooks.is_in_place(h) for h in hooks.registered_hooks()}
+    return {
+        "pin": pin,
+        "family": SUPPORTED_PINS.get(pin or ""),
+        "supported": supported,
+        "supported_pins": sorted(SUPPORTED_PINS),
+        "guards_supplied": list(RUNTIME.config.active_guards()) if supported else [],
+        "active_in_this_process": activation is not None,
+        "hooks_in_place": installed,
+    }

@@ -1,0 +1,122 @@
+"""Install wrappers on SGLang functions by dotted path, check their signatures, and verify them later.
+
+A hook names its target by module and qualified name, the parameter names it expects, and the guard that
+owns it. Installation happens when the target module is imported (see ``_importhook``), in whatever process
+that is. A target that is missing or whose signature moved raises :class:`HookInstallError` at once: a guard
+that silently failed to install is a hole, so we refuse to run instead of logging and carrying on.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+from sglang_harden._importhook import when_imported
+
+logger = logging.getLogger("sglang_harden")
+
+WRAPPED_MARK = "__sglang_harden_hook__"
+Wrapper = Callable[[Callable[..., object]], Callable[..., object]]
+
+
+class HookInstallError(RuntimeError):
+    """A hook target is missing or changed shape on this SGLang pin."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    owner: str
+    module: str
+    qualname: str
+    params: tuple[str, ...]
+    make_wrapper: Wrapper
+
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+_lock = threading.Lock()
+_registered: dict[str, Hook] = {}
+_installed: dict[str, str] = {}
+
+
+def register(hook: Hook) -> None:
+    """Install ``hook`` when (or as soon as) its module is imported. Idempotent per target+owner."""
+    key = f"{hook.target}#{hook.owner}"
+    with _lock:
+        if key in _registered:
+            return
+        _registered[key] = hook
+    when_imported(hook.module, functools.partial(_install, hook, key))
+
+
+def _resolve(module: ModuleType, qualname: str) -> tuple[object, str, Callable[..., object]]:
+    owner: object = module
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise HookInstallError(f"{module.__name__}.{qualname}: {part} not found")
+    attr = parts[-1]
+    raw = inspect.getattr_static(owner, attr, None)
+    if raw is None:
+        raise HookInstallError(f"{module.__name__}.{qualname}: not found")
+    return owner, attr, raw
+
+
+def _check_params(hook: Hook, func: Callable[..., object]) -> None:
+    names = tuple(inspect.signature(func).parameters)
+    if names[: len(hook.params)] != hook.params:
+        raise HookInstallError(
+            f"{hook.target}: expected parameters {hook.params}, found {names} "
+            "(is this SGLang pin supported? see `sglang-harden doctor`)"
+        )
+
+
+def _install(hook: Hook, key: str, module: ModuleType) -> None:
+    owner, attr, raw = _resolve(module, hook.qualname)
+    is_static = isinstance(raw, staticmethod)
+    func = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
+    _check_params(hook, func)
+    wrapped = hook.make_wrapper(func)
+    functools.update_wrapper(wrapped, func)
+    marks = set(getattr(func, WRAPPED_MARK, ())) | {hook.owner}
+    setattr(wrapped, WRAPPED_MARK, frozenset(marks))
+    if is_static:
+        wrapped = staticmethod(wrapped)
+    elif isinstance(raw, classmethod):
+        wrapped = classmethod(wrapped)
+    setattr(owner, attr, wrapped)
+    with _lock:
+        _installed[key] = hook.target
+    logger.debug("sglang-harden hook %s installed on %s", hook.owner, hook.target)
+
+
+def is_in_place(hook: Hook) -> bool:
+    import sys
+
+    module = sys.modules.get(hook.module)
+    if module is None:
+        return False
+    try:
+        _, _, raw = _resolve(module, hook.qualname)
+    except HookInstallError:
+        return False
+    func = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
+    return hook.owner in getattr(func, WRAPPED_MARK, ())
+
+
+def missing(hooks: list[Hook]) -> list[str]:
+    """Targets of ``hooks`` that are not wrapped in this process right now."""
+    return [f"{h.owner} -> {h.target}" for h in hooks if not is_in_place(h)]
+
+
+def registered_hooks() -> list[Hook]:
+    with _lock:
+        return list(_registered.values())

@@ -1,0 +1,56 @@
+"""Per-process state of an activated sglang-harden: configuration, pin, and the abort side channel."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sglang_harden.compat import notify
+from sglang_harden.config import HardenConfig, load_config
+
+logger = logging.getLogger("sglang_harden")
+
+
+class HardenRefusal(RuntimeError):
+    """sglang-harden refuses to let this process serve (missing hook, unsafe configuration)."""
+
+
+@dataclass
+class Runtime:
+    config: HardenConfig = field(default_factory=HardenConfig)
+    pin: str = "unknown"
+    family: str = "unknown"
+    source: str = ""
+    publisher: notify.Publisher | None = None
+    watcher: notify.DecodeWatcher | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def configure(self, pin: str, family: str, source: str) -> None:
+        self.config = load_config()
+        self.pin, self.family, self.source = pin, family, source
+
+    def start_publisher(self, base_url: str) -> None:
+        with self._lock:
+            if self.publisher is None:
+                self.publisher = notify.Publisher(base_url)
+
+    def decode_watcher(self, on_abort: Callable[[object, notify.PeerAbort], None]) -> notify.DecodeWatcher | None:
+        if self.config.abort_notify.value == "off":
+            return None
+        with self._lock:
+            if self.watcher is None:
+                self.watcher = notify.DecodeWatcher(on_abort)
+            return self.watcher
+
+    def log_active(self, role: str) -> None:
+        logger.warning(
+            "sglang-harden active: pin=%s family=%s role=%s pid=%s via=%s guards=%s capacity=%s",
+            self.pin, self.family, role, os.getpid(), self.source,
+            ",".join(self.config.active_guards()), self.config.capacity.value,
+        )
+
+
+RUNTIME = Runtime()
