@@ -1,0 +1,355 @@
+"""``sglang-harden doctor``: which protections this SGLang build has, which sglang-harden adds, which are on.
+
+Native protections are judged from the code itself (:mod:`sglang_harden.tools._protections` documents what
+is looked for per protection), never from the version string, so a backported or patched build counts.
+What sglang-harden supplies comes from ``sglang_harden.compat.describe()``. Runtime switches are read from
+this process's environment and from ``--launch-args`` (the flags the server is, or will be, started with).
+
+Exit codes: 0 every protection is covered (natively on, switched on, or supplied by sglang-harden);
+1 at least one is missing; 2 no SGLang source could be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shlex
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sglang_harden.tools import _protections as P
+from sglang_harden.tools._render import dump_json, table
+from sglang_harden.tools._source import SourceTree
+
+EXIT_OK, EXIT_MISSING, EXIT_NO_SGLANG = 0, 1, 2
+COMPAT_UNAVAILABLE = "sglang-harden compat layer not available"
+_TRUE = {"1", "true", "yes", "on", "y", "t"}
+_FALSE = {"0", "false", "no", "off", "n", "f", ""}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--sglang-root",
+        type=Path,
+        help="inspect this source tree (a directory containing sglang/, e.g. an unpacked wheel) "
+        "instead of the SGLang importable here",
+    )
+    parser.add_argument(
+        "--launch-args",
+        default="",
+        help="the server's command-line flags, quoted, to report flag switches "
+        '(e.g. "--kv-canary log --disaggregation-enable-kv-checksum")',
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the code evidence per row")
+
+
+@dataclass
+class HardenInfo:
+    """What the compat layer says about the pin; ``available`` False when it cannot be imported."""
+
+    available: bool
+    note: str = ""
+    pin: str | None = None
+    family: str | None = None
+    supported: bool | None = None
+    guards: dict[str, dict[str, bool]] | None = None
+
+
+@dataclass
+class Row:
+    key: str
+    title: str
+    native: P.Native
+    guard: str | None
+    supplied: bool | None
+    guard_active: bool | None
+    switch: str | None
+    switch_value: str | None
+    verdict: str
+
+    @property
+    def missing(self) -> bool:
+        return self.verdict == "MISSING"
+
+
+# ---------------------------------------------------------------------------------------------- compat
+
+
+def harden_info(version: str | None) -> HardenInfo:
+    """The compat layer's view of ``version``: ``describe()`` when it describes that pin, else the pin table."""
+    try:
+        from sglang_harden import compat
+
+        raw = compat.describe()
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available", said plainly
+        return HardenInfo(False, f"{COMPAT_UNAVAILABLE} ({type(exc).__name__}: {exc})")
+    if not isinstance(raw, dict):
+        return HardenInfo(False, f"{COMPAT_UNAVAILABLE}: describe() returned {type(raw).__name__}")
+    pin = _opt_str(raw.get("pin"))
+    if version and pin != version:
+        return _info_from_pin_table(compat, version, raw, pin)
+    family = _opt_str(raw.get("family"))
+    supported = raw.get("supported") if isinstance(raw.get("supported"), bool) else None
+    guards = _guards_from_describe(compat, raw, family)
+    return HardenInfo(True, pin=pin, family=family, supported=supported, guards=guards)
+
+
+def _info_from_pin_table(compat: object, version: str, raw: dict, pin: str | None) -> HardenInfo:
+    table_ = getattr(compat, "SUPPORTED_PINS", None)
+    note = f"compat.describe() is about the installed SGLang ({pin or 'none'}); this tree is {version}"
+    if not isinstance(table_, dict):
+        return HardenInfo(True, note + "; no pin table to consult", pin=version)
+    family = table_.get(version)
+    guards = None
+    if family is not None:
+        modes, _ = guard_modes(dict(os.environ))
+        enabled = [g for g, mode in modes.items() if mode != "off"]
+        raw = {**raw, "guards_supplied": enabled, "active_in_this_process": False, "hooks_in_place": {}}
+        guards = _guards_from_describe(compat, raw, family)
+    return HardenInfo(True, note, pin=version, family=family, supported=family is not None, guards=guards)
+
+
+def _family_hooks(family: str | None) -> dict[str, list[str]] | None:
+    """owner -> hook targets of the family's hook table, or None when it cannot be read."""
+    if not family:
+        return None
+    try:
+        module = importlib.import_module(f"sglang_harden.compat.{family}")
+        hooks = module.HOOKS
+    except Exception:  # noqa: BLE001
+        return None
+    out: dict[str, list[str]] = {}
+    for hook in hooks:
+        out.setdefault(str(hook.owner), []).append(str(hook.target))
+    return out
+
+
+def _guards_from_describe(compat: object, raw: dict, family: str | None) -> dict[str, dict[str, bool]]:
+    """{guard: {supplied, active}}. A guard counts as supplied only if it is enabled (``guards_supplied``)
+    and, where the family's hook table is readable, the family actually hooks something for it."""
+    supplied = raw.get("guards_supplied", raw.get("guards", []))
+    names = list(supplied) if isinstance(supplied, list | tuple | dict) else []
+    table_ = getattr(compat, "SUPPORTED_PINS", {})
+    module = table_.get(raw.get("pin") or "", family) if isinstance(table_, dict) else family
+    owners = _family_hooks(module) or _family_hooks(family)
+    in_place = raw.get("hooks_in_place") if isinstance(raw.get("hooks_in_place"), dict) else {}
+    activated = bool(raw.get("active_in_this_process"))
+    out: dict[str, dict[str, bool]] = {}
+    for name in map(str, names):
+        targets = None if owners is None else owners.get(name)
+        hooked = owners is None or bool(targets)
+        active = activated and hooked and all(in_place.get(t, False) for t in (targets or []))
+        out[name] = {"supplied": hooked, "active": active}
+    return out
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+# ---------------------------------------------------------------------------------------------- switches
+
+
+def switch_value(switch: str | None, launch_args: list[str], environ: dict[str, str]) -> str | None:
+    if switch is None:
+        return None
+    if switch.startswith("--"):
+        return _flag_value(switch, launch_args)
+    return environ.get(switch)
+
+
+def _flag_value(flag: str, args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag:
+            following = args[i + 1] if i + 1 < len(args) else ""
+            return following if following and not following.startswith("--") else "set"
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def switched_on(native: P.Native, value: str | None) -> bool | None:
+    """True/False when the switch says so explicitly; None when unset (the build's default applies)."""
+    if value is None:
+        return None
+    lowered = value.strip().lower()
+    if native.switch and native.switch.endswith("BATCH_INDICES"):
+        try:
+            return int(lowered) > 0
+        except ValueError:
+            return None
+    if native.switch == "--kv-canary":
+        return lowered not in ("none", "")
+    if lowered == "set" or lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+
+_MODES_CACHE: dict[tuple, tuple[dict[str, str], str | None]] = {}
+
+
+def guard_modes(environ: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """Each guard's mode from SGLANG_HARDEN_* (read once per distinct setting), or the config error."""
+    key = tuple(sorted((k, v) for k, v in environ.items() if k.startswith("SGLANG_HARDEN_")))
+    if key not in _MODES_CACHE:
+        _MODES_CACHE[key] = _read_modes(environ)
+    return _MODES_CACHE[key]
+
+
+def _read_modes(environ: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    try:
+        from sglang_harden.config import GUARDS, load_config
+
+        config = load_config(environ)
+        return {g: config.mode(g).value for g in GUARDS}, None
+    except Exception as exc:  # noqa: BLE001 - a bad setting is a finding, not a crash
+        return {}, f"{type(exc).__name__}: {exc}"
+
+
+def build_rows(
+    natives: dict[str, P.Native], harden: HardenInfo, launch_args: list[str], environ: dict[str, str]
+) -> list[Row]:
+    modes, _ = guard_modes(environ)
+    rows = []
+    for prot in P.PROTECTIONS:
+        native = natives[prot.key]
+        value = switch_value(native.switch, launch_args, environ)
+        supplied, active = _guard_state(harden, prot.guard, modes)
+        rows.append(
+            Row(
+                key=prot.key,
+                title=prot.title,
+                native=native,
+                guard=prot.guard,
+                supplied=supplied,
+                guard_active=active,
+                switch=native.switch,
+                switch_value=value,
+                verdict=_verdict(native, switched_on(native, value), supplied),
+            )
+        )
+    return rows
+
+
+def _guard_state(harden: HardenInfo, guard: str | None, modes: dict[str, str]) -> tuple[bool | None, bool | None]:
+    if guard is None or not harden.available or harden.guards is None:
+        return None, None
+    state = harden.guards.get(guard)
+    if state is None:
+        return False, False
+    supplied = state["supplied"] and modes.get(guard, "enforce") != "off"
+    return supplied, state["active"]
+
+
+def _verdict(native: P.Native, on: bool | None, supplied: bool | None) -> str:
+    if native.status == P.YES and on is not False:
+        return "native" + (" + sglang-harden" if supplied else "")
+    if native.status == P.OPT_IN and on:
+        return "native (switched on)" + (" + sglang-harden" if supplied else "")
+    if supplied:
+        return "sglang-harden"
+    return "MISSING"
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) -> dict:
+    version = tree.version()
+    natives = P.inspect_tree(tree)
+    harden = harden_info(version)
+    rows = build_rows(natives, harden, launch_args, environ)
+    _, config_error = guard_modes(environ)
+    return {
+        "sglang": {
+            "root": str(tree.root),
+            "version": version,
+            "family": harden.family if harden.available else None,
+            "abort_field": sorted(P.abort_fields(tree)),
+        },
+        "harden": {**asdict(harden), "config_error": config_error},
+        "protections": [_row_json(r) for r in rows],
+        "missing": [r.key for r in rows if r.missing],
+        "ok": not any(r.missing for r in rows),
+    }
+
+
+def _row_json(row: Row) -> dict:
+    return {
+        "key": row.key,
+        "title": row.title,
+        "native": asdict(row.native),
+        "guard": row.guard,
+        "supplied_by_harden": row.supplied,
+        "guard_active_in_this_process": row.guard_active,
+        "switch": row.switch,
+        "switch_value": row.switch_value,
+        "verdict": row.verdict,
+    }
+
+
+def render_text(data: dict, verbose: bool) -> str:
+    sg, hd = data["sglang"], data["harden"]
+    lines = [
+        f"SGLang {sg['version'] or 'unknown version'} at {sg['root']}",
+        f"family: {sg['family'] or 'n/a'}   pending aborts recorded in: {', '.join(sg['abort_field'])}",
+    ]
+    if not hd["available"]:
+        lines.append(hd["note"])
+    else:
+        supported = {True: "supported", False: "NOT supported", None: "support unknown"}[hd["supported"]]
+        lines.append(f"sglang-harden compat: pin {hd['pin']} family {hd['family']} ({supported})")
+        if hd["note"]:
+            lines.append(hd["note"])
+    if hd.get("config_error"):
+        lines.append(f"sglang-harden config error: {hd['config_error']}")
+    rows = []
+    for p in data["protections"]:
+        supplied = _yes_no(p["supplied_by_harden"], p["guard"])
+        switch = f"{p['switch']}={p['switch_value']}" if p["switch"] and p["switch_value"] else p["switch"]
+        rows.append([p["title"], _native_cell(p["native"]), supplied, switch or "-", p["verdict"]])
+    lines += ["", table(["protection", "native (from code)", "sglang-harden", "switch", "verdict"], rows, 64)]
+    if verbose:
+        lines.append("")
+        for p in data["protections"]:
+            lines.append(f"{p['key']}:")
+            lines += [f"    {e}" for e in p["native"]["evidence"]] or ["    (no code found)"]
+    missing = data["missing"]
+    lines += ["", "OK: every protection is covered" if not missing else f"MISSING: {', '.join(missing)}"]
+    return "\n".join(lines)
+
+
+def _native_cell(native: dict) -> str:
+    return f"{native['status']}: {native['detail']}"
+
+
+def _yes_no(value: bool | None, guard: str | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"yes ({guard})" if value else "no"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        tree = SourceTree(args.sglang_root) if args.sglang_root else SourceTree.installed()
+    except (FileNotFoundError, OSError) as exc:
+        print(f"doctor: {exc}")
+        return EXIT_NO_SGLANG
+    if tree is None:
+        print("doctor: SGLang is not importable here; pass --sglang-root DIR (a tree containing sglang/)")
+        return EXIT_NO_SGLANG
+    try:
+        launch_args = shlex.split(args.launch_args or "")
+    except ValueError as exc:
+        print(f"doctor: --launch-args: {exc}")
+        return EXIT_NO_SGLANG
+    data = report(tree, launch_args, dict(os.environ))
+    print(dump_json(data) if args.json else render_text(data, args.verbose))
+    return EXIT_OK if data["ok"] else EXIT_MISSING
