@@ -1,0 +1,87 @@
+"""A deterministic tiny Llama model for the testbed (no hub access).
+
+Built by the pin's own python and transformers in a subprocess (files written by transformers 5.x do not
+load in 4.x) and cached per transformers major version under ``$SGLANG_HARDEN_HOME/models/``.
+2 layers, hidden 64, 4 heads, 2 KV heads, vocab 512, seed 0, byte-level BPE tokenizer trained offline.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from sglang_harden.testbed.envs import EnvError, get_recipe, harden_home, require_env
+from sglang_harden.testbed.procenv import testbed_env
+
+MODEL_VERSION = "1"
+MAX_POSITIONS = 2048
+
+_BUILD_SCRIPT = r"""
+import json, os, random, sys
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+out, max_pos = sys.argv[1], int(sys.argv[2])
+rng = random.Random(0)
+words = ["tenant", "secret", "alpha", "bravo", "charlie", "delta", "echo", "kv", "page", "cache", "decode",
+         "prefill", "token", "the", "of", "and", "a", "to", "in", "is", "memory", "request", "zulu", "omega"]
+corpus = [" ".join(rng.choice(words) for _ in range(24)) for _ in range(400)]
+corpus += ["".join(chr(32 + (i * 7 + j) % 95) for j in range(64)) for i in range(200)]
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<s>", "</s>", "<pad>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+tok.train_from_iterator(corpus, trainer=trainer)
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+fast.model_max_length = max_pos
+fast.save_pretrained(out)
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                     bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+                     initializer_range=0.1, rms_norm_eps=1e-5)
+model = LlamaForCausalLM(config).to(torch.bfloat16)
+model.save_pretrained(out, safe_serialization=True)
+import transformers
+print(json.dumps({"transformers": transformers.__version__}))
+"""
+
+
+def _transformers_major(python: Path) -> str:
+    code = "import importlib.metadata as m; print(m.version('transformers').split('.')[0])"
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise EnvError(f"cannot read transformers' version with {python}: {proc.stderr[-500:]}")
+    return proc.stdout.strip()
+
+
+def model_dir_for(python: Path) -> Path:
+    return harden_home() / "models" / f"tiny-llama-v{MODEL_VERSION}-tf{_transformers_major(python)}"
+
+
+def build_tiny_model(pin: str, force: bool = False) -> Path:
+    """Return the cached tiny model directory for ``pin``, building it with the pin's python if needed."""
+    python = require_env(pin)
+    target = model_dir_for(python)
+    if (target / "config.json").exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        env = testbed_env(get_recipe(pin), {"PYTHONHASHSEED": "0"})
+        proc = subprocess.run([str(python), "-c", _BUILD_SCRIPT, str(tmp), str(MAX_POSITIONS)],
+                              capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise EnvError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,27 @@
+"""Environment of every process the testbed starts: the pin's CPU settings plus the test-only shims."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from sglang_harden.testbed.envs import PinRecipe
+
+SHIMS_DIR = Path(__file__).resolve().parent / "shims"
+# Variables of the calling environment that must not leak into a pin's interpreter.
+_DROP = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTEST_CURRENT_TEST")
+
+
+def testbed_env(recipe: PinRecipe, extra: Mapping[str, str] | None = None,
+                shims: bool = True) -> dict[str, str]:
+    """os.environ minus interpreter leaks, plus the pin's server env, the shims and ``extra`` (wins)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env.update(recipe.server_env)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["SGLANG_HARDEN_TESTBED_PIN"] = recipe.pin
+    if shims:
+        env["PYTHONPATH"] = str(SHIMS_DIR)
+        env["SGLANG_HARDEN_TESTBED_SHIMS"] = ",".join(recipe.shims)
+    env.update(extra or {})
+    return env

@@ -1,0 +1,160 @@
+"""White-box KV tracer for the incident tests (test-only; enabled by SGLANG_HARDEN_TESTBED_KVTRACE_DIR).
+
+Runs inside the decode server's scheduler process. Two events, written as JSON lines to
+``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/kvtrace-<pid>.jsonl``:
+
+- ``release``: when a request finishes, the KV rows of its slots are fingerprinted (slot -> rid, hash).
+- ``first_decode``: right before a request's first decode forward, each of its context slots is hashed and
+  compared with the recorded fingerprints: a slot whose content is byte-identical to what another request
+  left there was never overwritten by this request's own transfer, so the decode step reads that other
+  request's KV ("pages of A read by B").
+
+Hooks ``Scheduler.run_batch`` and ``Scheduler.process_batch_result`` (present in every supported pin).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from sglang_harden._importhook import when_imported
+
+_lock = threading.Lock()
+_owners: dict[int, tuple[str, str]] = {}  # slot -> (rid of the last owner at its release, row hash)
+_seen_decode: set[str] = set()
+
+
+def _out_path() -> Path:
+    folder = Path(os.environ["SGLANG_HARDEN_TESTBED_KVTRACE_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"kvtrace-{os.getpid()}.jsonl"
+
+
+def _emit(record: dict[str, Any]) -> None:
+    record["t"] = time.time()
+    with _lock, _out_path().open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def _is_decode(scheduler: Any) -> bool:
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    return "decode" in str(getattr(mode, "value", mode)).lower()
+
+
+def _pool_idx(req: Any) -> int | None:
+    kv = getattr(req, "kv", None)
+    idx = getattr(kv, "req_pool_idx", None) if kv is not None else None
+    return idx if idx is not None else getattr(req, "req_pool_idx", None)
+
+
+def _kv_buffers(scheduler: Any) -> tuple[list[Any], list[Any]]:
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    if getattr(pool, "k_buffer", None) is not None:
+        return list(pool.k_buffer), list(pool.v_buffer)
+    start = getattr(pool, "start_layer", 0) or 0
+    layers = range(start, start + pool.layer_num)
+    return [pool.get_key_buffer(i) for i in layers], [pool.get_value_buffer(i) for i in layers]
+
+
+def _slots(scheduler: Any, req: Any, length: int) -> list[int]:
+    idx = _pool_idx(req)
+    if idx is None or length <= 0:
+        return []
+    return [int(s) for s in scheduler.req_to_token_pool.req_to_token[idx, :length].tolist()]
+
+
+def _row_hashes(scheduler: Any, slots: list[int]) -> list[str]:
+    import torch
+
+    if not slots:
+        return []
+    k_bufs, v_bufs = _kv_buffers(scheduler)
+    index = torch.tensor(slots, dtype=torch.long, device=k_bufs[0].device)
+    parts = [buf.index_select(0, index).reshape(len(slots), -1) for buf in (*k_bufs, *v_bufs)]
+    rows = torch.cat(parts, dim=1).contiguous().cpu()
+    raw = rows.view(torch.uint8).numpy()
+    return [hashlib.blake2b(raw[i].tobytes(), digest_size=8).hexdigest() for i in range(len(slots))]
+
+
+def _context_len(req: Any) -> int:
+    return len(getattr(req, "origin_input_ids", None) or [])
+
+
+def _full_len(req: Any) -> int:
+    return _context_len(req) + len(getattr(req, "output_ids", None) or [])
+
+
+def _first_decode(scheduler: Any, req: Any) -> None:
+    slots = _slots(scheduler, req, _context_len(req))
+    hashes = _row_hashes(scheduler, slots)
+    matches: Counter[str] = Counter()
+    with _lock:
+        for slot, digest in zip(slots, hashes, strict=True):
+            owner = _owners.get(slot)
+            if owner is not None and owner[0] != req.rid and owner[1] == digest:
+                matches[owner[0]] += 1
+    _emit({"event": "first_decode", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8],
+           "foreign_rows": dict(matches), "foreign_total": sum(matches.values())})
+
+
+def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
+    hashes = _row_hashes(scheduler, slots)
+    with _lock:
+        for slot, digest in zip(slots, hashes, strict=True):
+            _owners[slot] = (req.rid, digest)
+    _emit({"event": "release", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8]})
+
+
+def _wrap_run_batch(original: Any) -> Any:
+    def run_batch(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if _is_decode(self) and batch is not None and batch.forward_mode.is_decode():
+                for req in batch.reqs:
+                    if req.rid not in _seen_decode:
+                        _seen_decode.add(req.rid)
+                        _first_decode(self, req)
+        except Exception as exc:  # a tracer must never take the server down
+            _emit({"event": "error", "where": "run_batch", "error": repr(exc)})
+        return original(self, batch, *args, **kwargs)
+
+    return run_batch
+
+
+def _wrap_process_batch_result(original: Any) -> Any:
+    def process_batch_result(self: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
+        before: list[tuple[Any, list[int]]] = []
+        try:
+            if _is_decode(self) and batch is not None:
+                before = [(r, _slots(self, r, _full_len(r))) for r in batch.reqs if not r.finished()]
+        except Exception as exc:
+            _emit({"event": "error", "where": "snapshot", "error": repr(exc)})
+        out = original(self, batch, result, *args, **kwargs)
+        for req, slots in before:
+            try:
+                if req.finished() and slots:
+                    _release(self, req, slots)
+            except Exception as exc:
+                _emit({"event": "error", "where": "release", "error": repr(exc)})
+        return out
+
+    return process_batch_result
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    cls = module.Scheduler
+    if getattr(cls, "_sglang_harden_kvtrace", False):
+        return
+    cls.run_batch = _wrap_run_batch(cls.run_batch)
+    cls.process_batch_result = _wrap_process_batch_result(cls.process_batch_result)
+    cls._sglang_harden_kvtrace = True
+
+
+def install() -> None:
+    when_imported("sglang.srt.managers.scheduler", _patch_scheduler)

@@ -1,0 +1,262 @@
+"""CPU-only test shims, loaded only in processes the testbed starts (this folder is put on their PYTHONPATH).
+
+Which shims run is chosen by ``SGLANG_HARDEN_TESTBED_SHIMS`` (comma-separated names, from ``ci/pins.toml``).
+Every shim is small, named, and acts through a post-import hook, so it patches the module in whichever
+process imports it (SGLang spawns its scheduler and detokenizer; they inherit the environment and load
+this file too). None of this is product code: it makes GPU-only corners of SGLang run on a CPU box.
+
+``SGLANG_HARDEN_TESTBED_KVTRACE_DIR`` additionally turns on the white-box KV tracer (``sglang_harden_kvtrace``).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+try:
+    from sglang_harden._importhook import when_imported
+except ImportError:  # the package is not installed in this interpreter: use the checkout next to us
+    sys.path.append(str(Path(__file__).resolve().parents[3]))
+    from sglang_harden._importhook import when_imported
+
+SHIMS: dict[str, Callable[[], None]] = {}
+
+
+def shim(func: Callable[[], None]) -> Callable[[], None]:
+    SHIMS[func.__name__] = func
+    return func
+
+
+def _raise_stub(name: str) -> Callable[..., object]:
+    def stub(*_args: object, **_kwargs: object) -> object:
+        raise NotImplementedError(f"{name} is a CPU test stub (sglang_harden testbed); it must not be called")
+
+    stub.__name__ = name
+    return stub
+
+
+# ------------------------------------------------------------------------------------------- stub modules
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves tiny stand-in modules that expose exactly the listed names (others raise ImportError)."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, set[str]] = {}
+
+    def add(self, module: str, names: set[str]) -> None:
+        self.modules.setdefault(module, set()).update(names)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.modules:
+            return None
+        is_pkg = any(m.startswith(fullname + ".") for m in self.modules)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=is_pkg)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        names = self.modules[module.__name__]
+        for name in names:
+            setattr(module, name, _raise_stub(f"{module.__name__}.{name}"))
+        if module.__spec__ is not None and module.__spec__.submodule_search_locations is not None:
+            module.__path__ = []
+
+        def __getattr__(name: str) -> object:
+            raise AttributeError(f"{module.__name__}.{name} (CPU test stub provides only {sorted(names)})")
+
+        module.__getattr__ = __getattr__  # type: ignore[method-assign]
+
+
+_stubs = _StubFinder()
+
+SGL_KERNEL_CPU_NAMES = {
+    "copy_all_layer_kv_cache_cpu",
+    "assign_req_to_token_pool_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "verify_tree_greedy_cpu",
+    "assign_draft_cache_locs_contiguous_cpu",
+    "assign_extend_cache_locs_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+}
+
+
+@shim
+def sgl_kernel_cpu_stub() -> None:
+    """The CUDA ``sgl_kernel`` cannot load here; SGLANG_USE_CPU_ENGINE imports these names from it."""
+    _stubs.add("sgl_kernel", SGL_KERNEL_CPU_NAMES)
+
+
+@shim
+def sgl_kernel_kvcacheio_stub() -> None:
+    """0.4.x imports the KV-cache I/O kernels at module level."""
+    _stubs.add("sgl_kernel", set())
+    _stubs.add("sgl_kernel.kvcacheio", {"transfer_kv_per_layer", "transfer_kv_per_layer_mla"})
+
+
+@shim
+def vllm_custom_ops_stub() -> None:
+    """0.4.x imports ``vllm._custom_ops.scaled_fp8_quant``; stub only that (a whole fake vllm misleads SGLang)."""
+    _stubs.add("vllm", set())
+    _stubs.add("vllm._custom_ops", {"scaled_fp8_quant"})
+
+
+# ---------------------------------------------------------------------------------------------- torch
+
+
+def _patch_register_fake(library: ModuleType) -> None:
+    original = library.register_fake
+    if getattr(original, "_sglang_harden_shim", False):
+        return
+
+    def register_fake(op_name: object, *args: object, **kwargs: object) -> object:
+        if not (isinstance(op_name, str) and op_name.startswith("torchvision::")):
+            return original(op_name, *args, **kwargs)
+        try:
+            result = original(op_name, *args, **kwargs)
+        except Exception:  # torchvision's C ops did not load under CPU torch: skip their fake kernels
+            return lambda func=None, /: func
+        if not callable(result):
+            return result
+
+        def apply(func: object = None, /) -> object:
+            try:
+                return result(func)
+            except Exception:
+                return func
+
+        return apply
+
+    register_fake._sglang_harden_shim = True  # type: ignore[attr-defined]
+    library.register_fake = register_fake
+
+
+@shim
+def torchvision_register_fake() -> None:
+    """PyPI torchvision links CUDA torch; under CPU torch its ``register_fake("torchvision::nms")`` dies."""
+    when_imported("torch.library", _patch_register_fake)
+
+
+def _add_amx_probe(torch: ModuleType) -> None:
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is not None and not hasattr(cpu, "_is_amx_tile_supported"):
+        cpu._is_amx_tile_supported = lambda: False
+
+
+@shim
+def amx_probe() -> None:
+    """0.4.x calls ``torch._C._cpu._is_amx_tile_supported``, which torch 2.13 removed."""
+    when_imported("torch", _add_amx_probe)
+
+
+# -------------------------------------------------------------------------------------------- mooncake
+
+
+@shim
+def mooncake_tcp() -> None:
+    """0.5.x reads MOONCAKE_PROTOCOL; default it to tcp (set by the testbed too)."""
+    os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
+
+
+def _patch_engine_protocol(module: ModuleType) -> None:
+    cls = getattr(module, "MooncakeTransferEngine", None)
+    if cls is None or getattr(cls.initialize, "_sglang_harden_shim", False):
+        return
+
+    def initialize(self: object, hostname: str, device_name: str | None) -> None:
+        protocol = os.environ.get("MOONCAKE_PROTOCOL", "tcp")
+        ret = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name or "")  # type: ignore[attr-defined]
+        if ret != 0:
+            raise RuntimeError("Mooncake Transfer Engine initialization failed (testbed tcp shim).")
+
+    initialize._sglang_harden_shim = True  # type: ignore[attr-defined]
+    cls.initialize = initialize
+
+
+@shim
+def mooncake_tcp_04x() -> None:
+    """0.4.x hard-codes "rdma" in ``MooncakeTransferEngine.initialize``."""
+    when_imported("sglang.srt.disaggregation.mooncake.transfer_engine", _patch_engine_protocol)
+
+
+def _local_ip() -> str:
+    return os.environ.get("SGLANG_HOST_IP", "127.0.0.1")
+
+
+def _patch_local_ip(module: ModuleType) -> None:
+    for name in ("get_local_ip_auto", "get_local_ip_by_remote"):
+        if hasattr(module, name):
+            setattr(module, name, _local_ip)
+
+
+@shim
+def host_ip_04x() -> None:
+    """0.4.x ignores SGLANG_HOST_IP and binds the machine's external interface."""
+    for mod in ("mooncake.conn", "common.conn", "nixl.conn"):
+        when_imported(f"sglang.srt.disaggregation.{mod}", _patch_local_ip)
+
+
+def _no_host_tensor_indices(module: ModuleType) -> None:
+    sender = getattr(module, "MooncakeKVSender", None)
+    if sender is not None and hasattr(sender, "supports_host_tensor_indices"):
+        sender.supports_host_tensor_indices = False
+
+
+@shim
+def pd_cpu_0521() -> None:
+    """0.5.2x: host tensor indices use ``pin_memory=True`` (needs CUDA); early cached-prefix send uses CUDA events."""
+    os.environ.setdefault("SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX", "0")
+    when_imported("sglang.srt.disaggregation.mooncake.conn", _no_host_tensor_indices)
+
+
+# ------------------------------------------------------------------------------------------------ nixl
+
+
+def _patch_nixl_kinds(module: ModuleType) -> None:
+    original = getattr(module, "_normalize_kv_mem_kinds", None)
+    if original is None or getattr(original, "_sglang_harden_shim", False):
+        return
+
+    def normalize(*args: object, **kwargs: object) -> list[str]:
+        return ["DRAM" if kind == "VRAM" else kind for kind in original(*args, **kwargs)]
+
+    normalize._sglang_harden_shim = True  # type: ignore[attr-defined]
+    module._normalize_kv_mem_kinds = normalize
+
+
+@shim
+def nixl_vram_as_dram() -> None:
+    """SGLang labels the CPU KV pool 'VRAM'; UCX without CUDA refuses to register it as such."""
+    when_imported("sglang.srt.disaggregation.nixl.conn", _patch_nixl_kinds)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def install(names: list[str]) -> None:
+    unknown = [n for n in names if n not in SHIMS]
+    if unknown:
+        raise RuntimeError(f"unknown testbed shim(s) {unknown}; known: {sorted(SHIMS)}")
+    for name in names:
+        SHIMS[name]()
+
+
+def _main() -> None:
+    names = [n for n in os.environ.get("SGLANG_HARDEN_TESTBED_SHIMS", "").split(",") if n]
+    install(names)
+    if os.environ.get("SGLANG_HARDEN_TESTBED_KVTRACE_DIR"):
+        import sglang_harden_kvtrace
+
+        sglang_harden_kvtrace.install()
+
+
+_main()
