@@ -76,7 +76,8 @@ def request(
     conn_cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(host, port, timeout=timeout_s)
     expired = threading.Event()
-    timer = threading.Timer(timeout_s, _kill, args=(conn, expired))
+    held: list[socket.socket] = []
+    timer = threading.Timer(timeout_s, _kill, args=(held, expired))
     timer.daemon = True
     start = time.monotonic()
     timer.start()
@@ -84,9 +85,16 @@ def request(
         headers = {"Accept": "application/json", "Connection": "close"}
         if body is not None:
             headers["Content-Type"] = "application/json"
+        conn.connect()
+        if conn.sock is not None:
+            held.append(conn.sock)  # the response keeps using it after conn.sock is dropped
+        if expired.is_set():
+            raise TimeoutError
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         data = _read_capped(resp, max_bytes, url)
+        if expired.is_set():
+            raise TimeoutError
         return Response(resp.status, data, resp.getheader("Content-Type") or "", time.monotonic() - start)
     except HttpError:
         raise
@@ -97,10 +105,9 @@ def request(
         conn.close()
 
 
-def _kill(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+def _kill(held: list[socket.socket], expired: threading.Event) -> None:
     expired.set()
-    sock = conn.sock
-    if sock is not None:
+    for sock in held:
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:

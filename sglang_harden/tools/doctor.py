@@ -80,8 +80,7 @@ class Row:
 def harden_info(version: str | None) -> HardenInfo:
     """The compat layer's view of ``version``: ``describe()`` when it describes that pin, else the pin table."""
     try:
-        from sglang_harden import compat
-
+        compat = importlib.import_module("sglang_harden.compat")
         raw = compat.describe()
     except Exception as exc:  # noqa: BLE001 - any failure means "not available", said plainly
         return HardenInfo(False, f"{COMPAT_UNAVAILABLE} ({type(exc).__name__}: {exc})")
