@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up the CI pins' environments (reused between runs) and run the whole test suite.
+#   scripts/run_tests.sh [pytest args...]     e.g. scripts/run_tests.sh -m "not e2e"
+# The suite runs under the system python3 (pytest + hypothesis); e2e tests start servers with the pin venvs'
+# pythons. SGLANG_HARDEN_PINS (or pytest's --pins) chooses the pins; default: ci/pins.toml [ci].pins.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -c 'import pytest, hypothesis' 2>/dev/null || python3 -m pip install -q 'pytest>=8' 'hypothesis>=6'
+pins="${SGLANG_HARDEN_PINS:---ci}"
+pins="${pins//,/ }"
+[[ "$pins" == "all" ]] && pins="--all"
+# shellcheck disable=SC2086
+bash scripts/setup_envs.sh $pins
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec python3 -m pytest -ra "$@"

@@ -1,0 +1,133 @@
+"""HTTP helpers: plain ``/generate``, a paired PD request sent directly, and one through sglang-router.
+
+Stdlib only (the tests' python need not have ``requests``). A paired request posts the same body, plus
+``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, to the prefill and the decode server concurrently,
+which is what the router does.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenResult:
+    """One HTTP answer from ``/generate``."""
+
+    status: int
+    body: Any
+    elapsed_s: float
+    output_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    text: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    def error_message(self) -> str:
+        if isinstance(self.body, dict):
+            err = self.body.get("error")
+            if isinstance(err, dict):
+                return str(err.get("message", err))
+            if err is not None:
+                return str(err)
+            return str(self.body.get("message", ""))
+        return str(self.body)[:500]
+
+    def summary(self) -> dict[str, Any]:
+        return {"status": self.status, "output_ids": self.output_ids, "logprobs": self.logprobs,
+                "elapsed_s": round(self.elapsed_s, 3), "error": None if self.ok else self.error_message(),
+                "prompt_tokens": self.meta.get("prompt_tokens"),
+                "completion_tokens": self.meta.get("completion_tokens")}
+
+
+@dataclass
+class PairResult:
+    """The two halves of one PD request sent directly to both servers."""
+
+    prefill: GenResult
+    decode: GenResult
+    room: int
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, _decode(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, _decode(exc.read())
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _parse(status: int, body: Any, elapsed: float) -> GenResult:
+    result = GenResult(status=status, body=body, elapsed_s=elapsed)
+    if isinstance(body, list) and body:
+        body = body[0]
+    if status != 200 or not isinstance(body, dict):
+        return result
+    meta = body.get("meta_info") or {}
+    result.meta = meta
+    result.text = body.get("text")
+    token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs:
+        result.logprobs = [float(item[0]) if item[0] is not None else float("nan") for item in token_logprobs]
+        result.output_ids = [int(item[1]) for item in token_logprobs]
+    if body.get("output_ids") is not None:
+        result.output_ids = [int(x) for x in body["output_ids"]]
+    return result
+
+
+def generate(url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResult:
+    """POST ``body`` to ``url``/generate."""
+    start = time.monotonic()
+    try:
+        status, answer = http_json("POST", url.rstrip("/") + "/generate", body, timeout)
+    except (TimeoutError, urllib.error.URLError, ConnectionError) as exc:
+        return GenResult(status=-1, body={"error": repr(exc)}, elapsed_s=time.monotonic() - start)
+    return _parse(status, answer, time.monotonic() - start)
+
+
+def greedy_body(input_ids: list[int], max_new_tokens: int, rid: str | None = None,
+                logprobs: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        "return_logprob": logprobs,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def pd_generate(prefill_url: str, decode_url: str, bootstrap_port: int, body: dict[str, Any],
+                room: int | None = None, bootstrap_host: str = "127.0.0.1",
+                timeout: float = 120.0) -> PairResult:
+    """Send one PD request directly: the same body with bootstrap fields to both servers concurrently."""
+    room = random.randrange(2**62) if room is None else room
+    paired = {**body, "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        fut_p = pool.submit(generate, prefill_url, paired, timeout)
+        fut_d = pool.submit(generate, decode_url, paired, timeout)
+        return PairResult(prefill=fut_p.result(), decode=fut_d.result(), room=room)
+
+
+def router_generate(router_url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResult:
+    """Send a request through sglang-router (it adds the bootstrap fields itself)."""
+    return generate(router_url, body, timeout)

@@ -1,0 +1,414 @@
+"""Real SGLang servers on CPU: one server, a prefill+decode pair, and sglang-router in front of a pair.
+
+All bind 127.0.0.1 with free ports picked here (HTTP, NCCL, bootstrap). Readiness = SGLang's log line
+"fired up and ready to roll" plus a 200 from ``/model_info`` (not ``/health``: it runs a real generate that
+takes KV slots and shifts the layout). Each process runs in its own process group, killed exactly on stop,
+on a failed start, on garbage collection and at interpreter exit (see ``procs``).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from sglang_harden.testbed import procs
+from sglang_harden.testbed.client import PairResult, generate, http_json, pd_generate, router_generate
+from sglang_harden.testbed.envs import PinRecipe, get_recipe, require_env
+from sglang_harden.testbed.model import build_tiny_model
+from sglang_harden.testbed.procenv import testbed_env
+
+Role = Literal["prefill", "decode", "mixed"]
+READY_LINE = "fired up and ready to roll"
+VANILLA_LAUNCHER = "sglang.launch_server"
+HARDENED_LAUNCHER = "sglang_harden.launch_server"
+
+
+class ServerError(RuntimeError):
+    """A server did not come up (the message carries the tail of its log)."""
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _progress(msg: str) -> None:
+    print(f"[testbed] {msg}", file=sys.stderr, flush=True)
+
+
+class _Process:
+    """Shared start/stop/log plumbing for a server or router process group."""
+
+    name: str
+    log_path: Path
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def _spawn(self, cmd: Sequence[str], env: Mapping[str, str]) -> None:
+        if self.proc is not None:
+            raise ServerError(f"{self.name} already started")
+        self.log_path.write_text(f"# {' '.join(cmd)}\n")
+        self.proc = procs.spawn(cmd, env, self.log_path)
+        self._finalizer = weakref.finalize(self, procs.kill_groups, [self.proc.pid], 3.0, 5.0)
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def detach(self) -> None:
+        """Leave the process running after this object and this interpreter are gone."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self.proc is not None:
+            procs.detach(self.proc.pid)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _tail(self.log_path, lines)
+
+    def stop(self, term_timeout: float = 10.0) -> None:
+        """SIGTERM this process group, SIGKILL it after ``term_timeout``; raises if it survives."""
+        if self.proc is None:
+            return
+        left = procs.kill_groups([self.proc.pid], term_timeout=term_timeout)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if left:
+            raise ServerError(f"{self.name}: process group {self.proc.pid} survived SIGKILL")
+
+    def _fail(self, why: str) -> ServerError:
+        return ServerError(f"{self.name}: {why}\n--- {self.log_path} (tail) ---\n{self.log_tail()}")
+
+
+class Server(_Process):
+    """One SGLang server process group (``python -m <launcher>``) for a pin."""
+
+    def __init__(
+        self,
+        pin: str,
+        role: Role = "mixed",
+        *,
+        max_total_tokens: int,
+        context_length: int = 512,
+        model_path: Path | None = None,
+        transfer_backend: str = "mooncake",
+        bootstrap_port: int | None = None,
+        num_reserved_decode_tokens: int | None = 32,
+        disable_radix_cache: bool = True,
+        extra_flags: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        launcher_module: str = VANILLA_LAUNCHER,
+        log_dir: Path | None = None,
+        startup_timeout: float = 600.0,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.pin, self.role = pin, role
+        self.recipe: PinRecipe = get_recipe(pin)
+        self.python = require_env(pin)
+        self.model_path = model_path or build_tiny_model(pin)
+        self.max_total_tokens, self.context_length = max_total_tokens, context_length
+        self.transfer_backend = transfer_backend
+        self.num_reserved_decode_tokens = num_reserved_decode_tokens
+        self.disable_radix_cache = disable_radix_cache
+        self.extra_flags, self.extra_env = list(extra_flags), dict(env or {})
+        self.launcher_module, self.startup_timeout = launcher_module, startup_timeout
+        self.name = name or f"{role}-{pin}"
+        self.port = procs.free_port(span=3)
+        self.nccl_port = procs.free_port()
+        self.bootstrap_port = bootstrap_port or (procs.free_port() if role == "prefill" else None)
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sglang-harden-testbed-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"{self.name}.log"
+        self.ready_s: float | None = None
+        if transfer_backend not in self.recipe.transfer_backends and role != "mixed":
+            raise ServerError(f"transfer backend {transfer_backend!r} is not tested on {pin} "
+                              f"(pins.toml lists {list(self.recipe.transfer_backends)})")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [str(self.python), "-m", self.launcher_module,
+               "--model-path", str(self.model_path), "--device", "cpu",
+               "--attention-backend", "torch_native", "--disable-cuda-graph",
+               "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(self.nccl_port),
+               "--max-total-tokens", str(self.max_total_tokens),
+               "--context-length", str(self.context_length), "--random-seed", "0"]
+        if self.disable_radix_cache:
+            cmd.append("--disable-radix-cache")
+        if self.role != "mixed":
+            cmd += ["--disaggregation-mode", self.role, "--disaggregation-transfer-backend", self.transfer_backend]
+        if self.role == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port), *self.recipe.prefill_flags]
+        if self.role == "decode":
+            if self.num_reserved_decode_tokens is not None:
+                cmd += ["--num-reserved-decode-tokens", str(self.num_reserved_decode_tokens)]
+            cmd += list(self.recipe.decode_flags)
+        return cmd + self.extra_flags
+
+    def environment(self) -> dict[str, str]:
+        return testbed_env(self.recipe, self.extra_env)
+
+    def start(self) -> Server:
+        """Launch without waiting (see ``wait_ready``)."""
+        self._started_at = time.monotonic()
+        self._spawn(self.command(), self.environment())
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> Server:
+        """Block until the ready line and ``/model_info`` answer; on timeout or death stop it and raise."""
+        deadline = self._started_at + (timeout or self.startup_timeout)
+        try:
+            self._wait_log_line(deadline)
+            self._wait_model_info(deadline)
+        except BaseException:
+            self.stop(term_timeout=3.0)
+            raise
+        self.ready_s = time.monotonic() - self._started_at
+        return self
+
+    def _wait_log_line(self, deadline: float) -> None:
+        while READY_LINE not in self.log_text():
+            if not self.is_alive():
+                raise self._fail(f"exited with code {self.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise self._fail("timed out waiting for the ready line")
+            time.sleep(0.25)
+
+    def _wait_model_info(self, deadline: float) -> None:
+        while True:
+            for path in ("/model_info", "/get_model_info"):
+                try:
+                    status, _ = http_json("GET", self.url + path, timeout=5.0)
+                except OSError:
+                    status = -1
+                if status == 200:
+                    return
+            if not self.is_alive():
+                raise self._fail("exited while waiting for /model_info")
+            if time.monotonic() > deadline:
+                raise self._fail("timed out waiting for /model_info")
+            time.sleep(0.25)
+
+    def server_info(self) -> dict[str, Any]:
+        for path in ("/server_info", "/get_server_info"):
+            status, body = http_json("GET", self.url + path, timeout=10.0)
+            if status == 200 and isinstance(body, dict):
+                return body
+        raise self._fail("no server info endpoint answered")
+
+    def generate(self, body: dict[str, Any], timeout: float = 120.0) -> Any:
+        return generate(self.url, body, timeout)
+
+    def __enter__(self) -> Server:
+        try:
+            return self.start().wait_ready()
+        except BaseException:
+            self.stop(term_timeout=3.0)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Router(_Process):
+    """sglang-router in PD mode in front of one prefill and one decode server."""
+
+    def __init__(self, pin: str, prefill: Server, decode: Server, log_dir: Path,
+                 startup_timeout: float = 120.0, extra_flags: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.recipe = get_recipe(pin)
+        self.python = require_env(pin)
+        self.prefill, self.decode = prefill, decode
+        self.port, self.prometheus_port = procs.free_port(), procs.free_port()
+        self.name, self.log_path = f"router-{pin}", Path(log_dir) / f"router-{pin}.log"
+        self.startup_timeout, self.extra_flags = startup_timeout, list(extra_flags)
+        self.ready_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [str(self.python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", self.prefill.url, str(self.prefill.bootstrap_port), "--decode", self.decode.url,
+                "--host", "127.0.0.1", "--port", str(self.port), "--policy", "round_robin",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+                "--health-check-endpoint", "/model_info", "--health-check-interval-secs", "3600",
+                *self.extra_flags]
+
+    def start(self) -> Router:
+        self._started_at = time.monotonic()
+        self._spawn(self.command(), testbed_env(self.recipe))
+        return self
+
+    def wait_ready(self) -> Router:
+        deadline = self._started_at + self.startup_timeout
+        try:
+            while not self._answers():
+                if not self.is_alive():
+                    raise self._fail(f"exited with code {self.proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise self._fail("timed out waiting for the router")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop(term_timeout=3.0)
+            raise
+        self.ready_s = time.monotonic() - self._started_at
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            status, _ = http_json("GET", self.url + "/v1/models", timeout=5.0)
+        except OSError:
+            return False
+        return status == 200
+
+    def generate(self, body: dict[str, Any], timeout: float = 120.0) -> Any:
+        return router_generate(self.url, body, timeout)
+
+
+class PDPair:
+    """A prefill server and a decode server for one pin (and optionally sglang-router), as one unit.
+
+    ``with PDPair(pin, prefill_max_total_tokens=256, decode_max_total_tokens=400) as pair:`` starts both
+    servers concurrently, waits for both, and stops both (and the router) on exit, also when a start fails.
+    """
+
+    def __init__(
+        self,
+        pin: str,
+        *,
+        prefill_max_total_tokens: int,
+        decode_max_total_tokens: int,
+        context_length: int = 512,
+        transfer_backend: str = "mooncake",
+        num_reserved_decode_tokens: int | None = 32,
+        disable_radix_cache: bool = True,
+        prefill_flags: Sequence[str] = (),
+        decode_flags: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        prefill_env: Mapping[str, str] | None = None,
+        decode_env: Mapping[str, str] | None = None,
+        launcher_module: str = VANILLA_LAUNCHER,
+        router: bool = False,
+        log_dir: Path | None = None,
+        startup_timeout: float = 600.0,
+        progress: bool = False,
+    ) -> None:
+        self.pin = pin
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"sglang-harden-pd-{pin}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        common: dict[str, Any] = dict(
+            context_length=context_length, transfer_backend=transfer_backend,
+            disable_radix_cache=disable_radix_cache, launcher_module=launcher_module,
+            log_dir=self.log_dir, startup_timeout=startup_timeout,
+        )
+        self.prefill = Server(pin, "prefill", max_total_tokens=prefill_max_total_tokens,
+                              extra_flags=prefill_flags, env={**(env or {}), **(prefill_env or {})}, **common)
+        self.decode = Server(pin, "decode", max_total_tokens=decode_max_total_tokens,
+                             num_reserved_decode_tokens=num_reserved_decode_tokens, extra_flags=decode_flags,
+                             env={**(env or {}), **(decode_env or {})}, **common)
+        self.router: Router | None = Router(pin, self.prefill, self.decode, self.log_dir) if router else None
+
+    def _say(self, msg: str) -> None:
+        if self.progress:
+            _progress(f"{self.pin}: {msg}")
+
+    def start(self) -> PDPair:
+        """Start both servers (concurrently), wait for both, then the router; stop everything on failure."""
+        try:
+            self._say(f"starting prefill :{self.prefill.port} and decode :{self.decode.port} (logs {self.log_dir})")
+            self.prefill.start()
+            self.decode.start()
+            errors: list[BaseException] = []
+            threads = [threading.Thread(target=self._wait, args=(s, errors)) for s in (self.prefill, self.decode)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if errors:
+                raise errors[0]
+            if self.router is not None:
+                self._say(f"starting sglang-router :{self.router.port}")
+                self.router.start().wait_ready()
+                self._say(f"router ready in {self.router.ready_s:.1f} s")
+        except BaseException:
+            self.stop(term_timeout=3.0)
+            raise
+        return self
+
+    def _wait(self, server: Server, errors: list[BaseException]) -> None:
+        try:
+            server.wait_ready()
+            self._say(f"{server.role} ready in {server.ready_s:.1f} s")
+        except BaseException as exc:  # surfaced by start()
+            errors.append(exc)
+
+    def stop(self, term_timeout: float = 10.0) -> None:
+        """Stop the router and both servers (their groups are signalled together)."""
+        parts = [p for p in (self.router, self.prefill, self.decode) if p is not None and p.proc is not None]
+        left = procs.kill_groups([p.proc.pid for p in parts], term_timeout=term_timeout)
+        for part in parts:
+            if part._finalizer is not None:
+                part._finalizer.detach()
+        if left:
+            raise ServerError(f"process groups {left} survived SIGKILL")
+
+    def parts(self) -> list[_Process]:
+        return [p for p in (self.prefill, self.decode, self.router) if p is not None]
+
+    def detach(self) -> None:
+        for part in self.parts():
+            part.detach()
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description (urls, ports, pids, logs) of a started pair."""
+        out: dict[str, Any] = {"pin": self.pin, "log_dir": str(self.log_dir)}
+        for part in self.parts():
+            role = getattr(part, "role", "router")
+            out[role] = {"url": part.url, "pgid": part.pid, "log": str(part.log_path),
+                         "ready_s": None if part.ready_s is None else round(part.ready_s, 1)}
+            if getattr(part, "bootstrap_port", None):
+                out[role]["bootstrap_port"] = part.bootstrap_port
+        return out
+
+    def generate(self, body: dict[str, Any], room: int | None = None, timeout: float = 120.0) -> PairResult:
+        """One PD request sent directly to both servers (same body + bootstrap fields)."""
+        assert self.prefill.bootstrap_port is not None
+        return pd_generate(self.prefill.url, self.decode.url, self.prefill.bootstrap_port, body,
+                           room=room, timeout=timeout)
+
+    def generate_via_router(self, body: dict[str, Any], timeout: float = 120.0) -> Any:
+        if self.router is None:
+            raise ServerError("this pair was started without a router")
+        return self.router.generate(body, timeout)
+
+    def __enter__(self) -> PDPair:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,123 @@
+"""``sglang-harden demo``: the PD incident on the embedded tiny model, per pin, as a side-by-side table.
+
+Per pin and variant, one fresh prefill+decode pair (asymmetric pools, Mooncake TCP on loopback): tenant A
+sends distinctive content, tenant B an oversized greedy prompt. Shows B's HTTP status, B's output, how many
+of A's KV rows B's first decode step read (white-box tracer), and a verdict. Progress goes to stderr.
+
+Variants are columns: ``vanilla`` (``python -m sglang.launch_server``) and, through :func:`add_variant`,
+``hardened`` (``python -m sglang_harden.launch_server`` with ``SGLANG_HARDEN_ACTIVATE=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sglang_harden.testbed.incident import IncidentSetup
+from sglang_harden.testbed.incident import run_incident as _run_incident
+
+SCENARIOS = ("incident",)
+Runner = Callable[[str], dict[str, Any]]
+
+
+def _progress(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+def run_incident(pin: str, hardened: bool, *, setup: IncidentSetup | None = None,
+                 log_dir: Path | None = None, progress: bool = True, **kwargs: Any) -> dict[str, Any]:
+    """Run the incident scenario on ``pin`` (fresh servers, stopped afterwards) and return its summary."""
+    return _run_incident(pin, hardened, setup=setup or IncidentSetup(), log_dir=log_dir,
+                         progress=_progress if progress else None, **kwargs)
+
+
+def vanilla(pin: str) -> dict[str, Any]:
+    return run_incident(pin, hardened=False)
+
+
+def hardened(pin: str) -> dict[str, Any]:
+    return run_incident(pin, hardened=True)
+
+
+# The columns of the report, in order. A new column is one call: add_variant("hardened", hardened).
+VARIANTS: dict[str, Runner] = {"vanilla": vanilla}
+
+
+def add_variant(name: str, runner: Runner) -> None:
+    VARIANTS[name] = runner
+
+
+def _error_result(pin: str, variant: str, exc: BaseException) -> dict[str, Any]:
+    return {"pin": pin, "variant": variant, "b_status": None, "b_output_short": "-",
+            "pages_of_a_read_by_b": None, "verdict": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def collect(pins: Sequence[str], scenario: str = "incident") -> dict[str, Any]:
+    report: dict[str, Any] = {"scenario": scenario, "pins": {}}
+    for pin in pins:
+        report["pins"][pin] = {}
+        for name, runner in VARIANTS.items():
+            try:
+                report["pins"][pin][name] = runner(pin)
+            except Exception as exc:  # one broken pin must not hide the others
+                _progress(f"{pin} {name}: ERROR {exc}")
+                report["pins"][pin][name] = _error_result(pin, name, exc)
+    return report
+
+
+def _cell(res: dict[str, Any]) -> list[str]:
+    status = res.get("b_status")
+    prefill = res.get("b_prefill_status")
+    suffix = f" (prefill {prefill})" if prefill not in (None, 200) else ""
+    status_txt = "-" if status is None else f"{status}{suffix}"
+    pages = res.get("pages_of_a_read_by_b")
+    return [status_txt, str(res.get("b_output_short", "-")), "-" if pages is None else str(pages),
+            str(res.get("verdict"))]
+
+
+def render_table(report: dict[str, Any]) -> str:
+    head = ["pin", "variant", "B HTTP status", "B output (first ids)", "A rows read by B", "verdict"]
+    rows = [head]
+    for pin, variants in report["pins"].items():
+        for name, res in variants.items():
+            rows.append([pin, name, *_cell(res)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def default_pins() -> list[str]:
+    from sglang_harden.testbed.envs import ci_pins
+
+    return ci_pins()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pin", action="append", dest="pins", metavar="X",
+                        help="SGLang pin (repeatable; default: the CI pins of ci/pins.toml)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--scenario", choices=SCENARIOS, default="incident")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sglang_harden.testbed.envs import EnvError, require_env
+
+    pins = args.pins or default_pins()
+    try:
+        for pin in pins:
+            require_env(pin)
+    except EnvError as exc:
+        print(f"sglang-harden demo: {exc}", file=sys.stderr)
+        return 2
+    report = collect(pins, args.scenario)
+    if args.json:
+        print(json.dumps(report, indent=None, sort_keys=False))
+    else:
+        print(render_table(report))
+    errors = [p for p, v in report["pins"].items() for r in v.values() if r.get("verdict") == "error"]
+    return 1 if errors else 0

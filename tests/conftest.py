@@ -1,0 +1,115 @@
+"""Suite-wide options and the end-of-session check that no process started by the suite is alive.
+
+- ``--pins`` (default: env ``SGLANG_HARDEN_PINS``, else the CI pins of ``ci/pins.toml``) selects the SGLang
+  pins that per-pin tests run for. A selected pin whose venv is missing FAILS its tests with the command that
+  builds it; unselected pins are skipped.
+- Every process group the testbed starts is recorded (in memory, and in a pid file that subprocesses started
+  by tests append to through ``SGLANG_HARDEN_TESTBED_PIDFILE``); at session end any of them still alive is
+  killed and the session fails.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+PIDFILE_ENV = "SGLANG_HARDEN_TESTBED_PIDFILE"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--pins",
+        default=None,
+        help="comma-separated SGLang pins for per-pin tests (default: $SGLANG_HARDEN_PINS or ci/pins.toml [ci].pins;"
+        " 'all' = every pin in ci/pins.toml)",
+    )
+
+
+def selected_pins(config: pytest.Config) -> list[str]:
+    from sglang_harden.testbed.envs import all_pins, ci_pins
+
+    raw = config.getoption("--pins") or os.environ.get("SGLANG_HARDEN_PINS") or ""
+    if raw.strip() == "all":
+        return all_pins()
+    pins = [p.strip() for p in raw.split(",") if p.strip()]
+    return pins or ci_pins()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get(PIDFILE_ENV):
+        fd, path = tempfile.mkstemp(prefix="sglang-harden-pids-", suffix=".txt")
+        os.close(fd)
+        os.environ[PIDFILE_ENV] = path
+        config._sglang_harden_pidfile = path  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def pins(pytestconfig: pytest.Config) -> list[str]:
+    return selected_pins(pytestconfig)
+
+
+def check_pin(config: pytest.Config, pin: str) -> None:
+    """Skip when ``pin`` is not selected; fail (not skip) when it is selected but its venv is missing."""
+    from sglang_harden.testbed.envs import EnvError, require_env
+
+    if pin not in selected_pins(config):
+        pytest.skip(f"SGLang {pin} not selected (--pins / SGLANG_HARDEN_PINS)")
+    try:
+        require_env(pin)
+    except EnvError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def require_pin(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """``require_pin(pin)``: skip if not selected, fail with the build command if its venv is missing."""
+    return lambda pin: check_pin(pytestconfig, pin)
+
+
+def _recorded_groups() -> list[int]:
+    from sglang_harden.testbed import procs
+
+    groups = set(procs.started_groups())
+    path = os.environ.get(PIDFILE_ENV)
+    if path and Path(path).exists():
+        for line in Path(path).read_text().splitlines():
+            if line.split():
+                groups.add(int(line.split()[0]))
+    return sorted(groups)
+
+
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    try:
+        from sglang_harden.testbed import procs
+    except ImportError:
+        return
+    for group in procs.started_groups():  # reap our own finished children first
+        procs.group_alive(group)
+    alive = [g for g in _recorded_groups() if _alive(g)]
+    owned = getattr(session.config, "_sglang_harden_pidfile", None)
+    if owned:
+        Path(owned).unlink(missing_ok=True)
+    if not alive:
+        return
+    left = procs.kill_groups(alive, term_timeout=3.0, kill_timeout=5.0)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    msg = (f"sglang-harden: {len(alive)} process group(s) started by the suite were still alive at the end: "
+           f"{alive} (killed now; still alive: {left})")
+    if reporter is not None:
+        reporter.write_line(msg, red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

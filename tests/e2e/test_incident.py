@@ -1,0 +1,90 @@
+"""The PD incident on real SGLang pairs (tiny model, Mooncake TCP, loopback), per pin.
+
+One scenario run per pin (module-scoped, servers stopped before the tests look at the result):
+warm-up round, then rounds with tenant A seeds (1, 2, 1, 2), each round A then the oversized greedy B.
+
+- pins whose ``incident`` in ci/pins.toml is "leak" (<= 0.5.20): B gets 200 with a full completion, B's output
+  depends on A's content and is identical for the same A (black box), and the decode KV tracer sees B's
+  first decode step read rows byte-identical to the ones A left (white box). These are real assertions:
+  they fail if the leak stops reproducing on a vanilla pin.
+- pins with "reject_and_hold" (0.5.21+): records upstream behaviour: prefill answers 400 with the
+  length message, decode never answers 200 and holds its reservation until the (lowered) waiting timeout.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.incident import IncidentSetup, run_incident
+
+pytestmark = pytest.mark.e2e
+
+RECIPES = load_pins()
+SETUP = IncidentSetup()
+LEAK_PINS = [p for p, r in RECIPES.items() if r.incident == "leak"]
+HOLD_PINS = [p for p, r in RECIPES.items() if r.incident == "reject_and_hold"]
+_results: dict[str, dict[str, Any]] = {}
+
+
+def _progress(msg: str) -> None:
+    print(f"[incident] {msg}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="module")
+def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``incident(pin)`` -> the scenario's summary for that pin (run once per pin per module)."""
+
+    def get(pin: str) -> dict[str, Any]:
+        require_pin(pin)
+        if pin not in _results:
+            log_dir: Path = tmp_path_factory.mktemp(f"incident-{pin}")
+            _results[pin] = run_incident(pin, hardened=False, setup=SETUP, log_dir=log_dir, progress=_progress)
+            _progress(f"{pin}: verdict={_results[pin]['verdict']} timings={_results[pin]['timings_s']}")
+        return _results[pin]
+
+    return get
+
+
+@pytest.mark.parametrize("pin", LEAK_PINS)
+def test_vanilla_serves_oversized_prompt(incident: Any, pin: str) -> None:
+    res = incident(pin)
+    assert res["b_status"] == 200, res["b_decode_error"]
+    assert res["b_prompt_tokens"] == SETUP.b_len
+    assert res["b_output_ids"] is not None and len(res["b_output_ids"]) == SETUP.new_tokens
+    assert res["b_prefill_error"] is None or "exceeds" in res["b_prefill_error"]
+
+
+@pytest.mark.parametrize("pin", LEAK_PINS)
+def test_vanilla_leaks_black_box(incident: Any, pin: str) -> None:
+    """B's answer is a function of A's content: different A -> different B, the same A -> the same B."""
+    bb = incident(pin)["black_box"]
+    assert bb["b_completed_rounds"] == len(SETUP.a_seeds), bb
+    assert bb["depends_on_a"], f"B's output did not change with A's content: {bb}"
+    assert bb["repeatable"], f"B after the same A differed between repeats: {bb}"
+
+
+@pytest.mark.parametrize("pin", LEAK_PINS)
+def test_vanilla_leaks_white_box(incident: Any, pin: str) -> None:
+    """B's first decode step reads KV rows that A wrote (byte-identical to A's rows at A's release)."""
+    res = incident(pin)
+    for rnd in res["rounds"]:
+        assert rnd["b_rows"] == SETUP.b_len, rnd
+        assert rnd["a_pages_read_by_b"] > SETUP.a_len // 2, rnd
+    assert res["verdict"] == "LEAK"
+
+
+@pytest.mark.parametrize("pin", HOLD_PINS)
+def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -> None:
+    """Observed upstream behaviour on 0.5.21+: prefill 400; decode waits out its timeout, never serves B."""
+    res = incident(pin)
+    assert res["b_prefill_status"] == 400, res
+    assert "exceeds the maximum allowed length" in (res["b_prefill_error"] or ""), res["b_prefill_error"]
+    assert res["b_status"] != 200, res
+    assert res["b_decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, res["b_decode_elapsed_s"]
+    assert res["pages_of_a_read_by_b"] == 0
+    assert res["verdict"].startswith("rejected; decode held")
