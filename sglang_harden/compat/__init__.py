@@ -78,6 +78,7 @@ def activate(source: str) -> Activation:
         enabled = [h for h in family.HOOKS if _owner_enabled(h.owner)]
         for hook in enabled:
             hooks.register(hook)
+        RUNTIME.armed = tuple(sorted({h.owner for h in enabled} - {"startup"}))
         for module, callback in family.MODULE_CALLBACKS.items():
             from sglang_harden._importhook import when_imported
 
@@ -90,6 +91,11 @@ def _owner_enabled(owner: str) -> bool:
     if owner == "startup":
         return True
     return RUNTIME.config.mode(owner) is not Mode.OFF
+
+
+def _family_hooks(pin: str | None) -> list[hooks.Hook]:
+    module = importlib.import_module(f"sglang_harden.compat.{SUPPORTED_PINS[pin or '']}")
+    return list(module.HOOKS)
 
 
 def active() -> Activation | None:
@@ -107,7 +113,8 @@ def describe() -> dict[str, object]:
         "family": SUPPORTED_PINS.get(pin or ""),
         "supported": supported,
         "supported_pins": sorted(SUPPORTED_PINS),
-        "guards_supplied": list(RUNTIME.config.active_guards()) if supported else [],
+        "guards_supplied": sorted({h.owner for h in _family_hooks(pin)} - {"startup"}) if supported else [],
+        "guards_armed_here": list(RUNTIME.armed),
         "active_in_this_process": activation is not None,
         "hooks_in_place": installed,
     }

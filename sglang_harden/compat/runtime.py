@@ -24,6 +24,7 @@ class Runtime:
     pin: str = "unknown"
     family: str = "unknown"
     source: str = ""
+    armed: tuple[str, ...] = ()
     publisher: notify.Publisher | None = None
     watcher: notify.DecodeWatcher | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -49,7 +50,7 @@ class Runtime:
         logger.warning(
             "sglang-harden active: pin=%s family=%s role=%s pid=%s via=%s guards=%s capacity=%s",
             self.pin, self.family, role, os.getpid(), self.source,
-            ",".join(self.config.active_guards()), self.config.capacity.value,
+            ",".join(self.armed), self.config.capacity.value,
         )
 
 

@@ -74,8 +74,7 @@ def _publish_peer_abort(room: int | None, decision: Decision) -> None:
 def _door(role: str, get_scheduler: Callable[[Any], Any]) -> Callable[[Func], Func]:
     def make(original: Func) -> Func:
         def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-            is_retracted = bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
-            if is_retracted:
+            if role == "decode" and _is_retracted(args, kwargs):
                 return original(self, req, *args, **kwargs)
             scheduler = get_scheduler(self)
             view = AdmissionView(
@@ -96,6 +95,11 @@ def _door(role: str, get_scheduler: Callable[[Any], Any]) -> Callable[[Func], Fu
         return add
 
     return make
+
+
+def _is_retracted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """DecodePreallocQueue.add(req, is_retracted=False, ...): a retracted request re-enters with its own KV."""
+    return bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
 
 
 # ---------------------------------------------------------------- retire (prefill final send)
@@ -141,6 +145,8 @@ def _publish_coverage(original: Func) -> Func:
 def _check_coverage(original: Func) -> Func:
     def commit(self: Any, decode_req: Any) -> Any:
         req = decode_req.req
+        if _is_fake_transfer(req):
+            return original(self, decode_req)
         room = int(req.bootstrap_room or 0)
         raw = int(self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index][COVERAGE_SLOT])
         sent = coverage.decode_coverage(raw, room)
@@ -155,6 +161,13 @@ def _check_coverage(original: Func) -> Func:
         return original(self, decode_req)
 
     return commit
+
+
+def _is_fake_transfer(req: Any) -> bool:
+    """SGLang's own warm-up pairs decode with an in-process fake transfer that sends no KV at all."""
+    from sglang.srt.disaggregation.utils import _is_fake_transfer as is_fake
+
+    return bool(is_fake(req))
 
 
 # ---------------------------------------------------------------- abort notification
