@@ -9,6 +9,9 @@ from pathlib import Path
 from sglang_harden.testbed.envs import PinRecipe
 
 SHIMS_DIR = Path(__file__).resolve().parent / "shims"
+# The checkout goes on PYTHONPATH after the shims, so servers run the code under test even when the copy
+# installed in the pin's venv (whose .pth start-up hook and plugin entry point are still what arm it) is older.
+CHECKOUT = Path(__file__).resolve().parents[2]
 # Variables of the calling environment that must not leak into a pin's interpreter.
 _DROP = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTEST_CURRENT_TEST")
 
@@ -21,7 +24,9 @@ def testbed_env(recipe: PinRecipe, extra: Mapping[str, str] | None = None,
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["SGLANG_HARDEN_TESTBED_PIN"] = recipe.pin
     if shims:
-        env["PYTHONPATH"] = str(SHIMS_DIR)
+        env["PYTHONPATH"] = f"{SHIMS_DIR}{os.pathsep}{CHECKOUT}"
         env["SGLANG_HARDEN_TESTBED_SHIMS"] = ",".join(recipe.shims)
+    # Installed sglang-harden arms itself through SGLang's plugin API; a vanilla server must say no.
+    env["SGLANG_HARDEN_ACTIVATE"] = "0"
     env.update(extra or {})
     return env
