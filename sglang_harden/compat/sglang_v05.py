@@ -256,6 +256,36 @@ def _scheduler_started(original: Func) -> Func:
     return init
 
 
+def _report_state(original: Func) -> Func:
+    """``/server_info`` gains ``internal_states[i].sglang_harden``: pool occupancy, armed guards, decisions."""
+
+    def get_internal_state(self: Any, recv_req: Any) -> Any:
+        output = original(self, recv_req)
+        state = getattr(output, "internal_state", None)
+        if isinstance(state, dict):
+            state["sglang_harden"] = pool_report(self)
+        return output
+
+    return get_internal_state
+
+
+def pool_report(scheduler: Any) -> dict[str, Any]:
+    allocator = scheduler.token_to_kv_pool_allocator
+    evictable = scheduler.tree_cache.evictable_size() if scheduler.tree_cache is not None else 0
+    return {
+        "pin": RUNTIME.pin,
+        "family": RUNTIME.family,
+        "role": role_of(scheduler),
+        "guards": list(RUNTIME.armed),
+        "max_total_num_tokens": int(scheduler.max_total_num_tokens),
+        "available_tokens": int(allocator.available_size()),
+        "evictable_tokens": int(evictable),
+        "max_req_input_len": int(scheduler.max_req_input_len),
+        "context_len": int(scheduler.model_config.context_len),
+        "decisions": events.snapshot(),
+    }
+
+
 def _bootstrap_base_url(scheduler: Any) -> str:
     host = scheduler.server_args.host
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -329,6 +359,7 @@ HOOKS: list[Hook] = [
          _watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), _peer_status_abort),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
+    Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), _report_state),
 ]
 
 # Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).
