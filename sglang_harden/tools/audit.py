@@ -10,8 +10,9 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
 - ``guards_missing``: no sglang-harden guard decisions on ``/metrics`` (not active, metrics off, or no traffic
   yet: run ``sglang-harden probe`` first on an idle node), or ``/metrics`` unavailable.
 
-Exit codes (a deploy gate): 0 every node audited, no findings; 1 findings; 2 at least one node could not be
-audited (unreachable, timed out, malformed answer) -- this wins over 1, since the set was not fully checked.
+Exit codes (a deploy gate): 0 every node audited, no findings (except those named with ``--ignore``);
+1 findings; 2 at least one node could not be audited (unreachable, timed out, malformed answer) -- this wins
+over 1, since the set was not fully checked.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from sglang_harden.tools._render import dump_json, table
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNAUDITED = 0, 1, 2
 SAMPLE_RE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+FINDING_CODES = ("pool_below_context", "prefill_limit_below_decode", "guards_missing")
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -38,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=10.0, metavar="S", help="seconds per HTTP request (default 10)"
     )
     parser.add_argument("--max-bytes", type=int, default=8 << 20, help="cap on bytes read per response (default 8 MiB)")
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="CODE",
+        choices=FINDING_CODES,
+        help="do not gate on this finding (still printed), e.g. guards_missing on a fleet without the plugin",
+    )
 
 
 @dataclass
@@ -244,10 +254,10 @@ def _limit_asymmetry(nodes: list[Node]) -> list[Finding]:
     ]
 
 
-def exit_code(nodes: list[Node], found: list[Finding]) -> int:
+def exit_code(nodes: list[Node], found: list[Finding], ignored: tuple[str, ...] = ()) -> int:
     if any(n.error for n in nodes):
         return EXIT_UNAUDITED
-    return EXIT_FINDINGS if found else EXIT_OK
+    return EXIT_FINDINGS if any(f.code not in ignored for f in found) else EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -265,7 +275,7 @@ def _guards_cell(node: Node) -> str:
     return " ".join(parts)
 
 
-def render_text(nodes: list[Node], found: list[Finding], code: int) -> str:
+def render_text(nodes: list[Node], found: list[Finding], code: int, ignored: tuple[str, ...] = ()) -> str:
     rows = [
         [
             n.url,
@@ -288,6 +298,8 @@ def render_text(nodes: list[Node], found: list[Finding], code: int) -> str:
         lines += ["", "warnings:"] + [f"  {u}: {w}" for u, w in warnings]
     if found:
         lines += ["", "findings:"] + [f"  [{f.code}] {f.node}: {f.message}" for f in found]
+    if ignored:
+        lines.append(f"  (not gating on: {', '.join(ignored)})")
     verdict = {EXIT_OK: "OK", EXIT_FINDINGS: "FINDINGS", EXIT_UNAUDITED: "INCOMPLETE"}[code]
     lines += ["", f"{verdict} (exit {code})"]
     return "\n".join(lines)
@@ -298,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(max_workers=min(8, len(args.urls))) as pool:
         nodes = list(pool.map(lambda u: _safe_audit(u, timeout, args.max_bytes), args.urls))
     found = findings(nodes)
-    code = exit_code(nodes, found)
+    code = exit_code(nodes, found, tuple(args.ignore))
     if args.json:
         payload = {
             "nodes": [asdict(n) for n in nodes],
@@ -307,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
         }
         print(dump_json(payload))
     else:
-        print(render_text(nodes, found, code))
+        print(render_text(nodes, found, code, tuple(args.ignore)))
     return code
 
 

@@ -130,3 +130,10 @@ def test_many_nodes_in_parallel_bounded(capsys: pytest.CaptureFixture[str]) -> N
         code, data = run_audit(capsys, *urls)
         assert time.monotonic() - start < 4
     assert code == 2 and all(n["error"] for n in data["nodes"])
+
+
+def test_ignore_a_finding_code(capsys: pytest.CaptureFixture[str]) -> None:
+    node = FakeNode(role="prefill", pool_tokens=600)
+    with serve(node.routes()) as url:
+        code, data = run_audit(capsys, url, extra=("--ignore", "guards_missing"))
+    assert code == 0 and [f["code"] for f in data["findings"]] == ["guards_missing"]
