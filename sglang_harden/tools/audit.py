@@ -7,8 +7,8 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
 - ``pool_below_context``: a node's KV pool holds fewer tokens than its advertised context;
 - ``prefill_limit_below_decode``: a prefill node accepts shorter prompts than a decode node (the incident's
   precondition: a prompt between the two limits is rejected by prefill but reserved by decode);
-- ``guards_missing``: no sglang-harden guard decisions on ``/metrics`` (not active, metrics off, or no traffic
-  yet: run ``sglang-harden probe`` first on an idle node), or ``/metrics`` unavailable.
+- ``guards_missing``: neither an sglang-harden report in server info (``internal_states[i].sglang_harden``:
+  armed guards and decision counts) nor guard decisions on ``/metrics``.
 
 Exit codes (a deploy gate): 0 every node audited, no findings (except those named with ``--ignore``);
 1 findings; 2 at least one node could not be audited (unreachable, timed out, malformed answer) -- this wins
@@ -62,6 +62,7 @@ class Node:
     transfer_backend: str | None = None
     metrics: str = "unknown"  # "ok" | "unavailable: ..." | "unknown"
     guards: dict[str, dict[str, float]] = field(default_factory=dict)
+    armed_guards: list[str] = field(default_factory=list)  # from /server_info internal_states[].sglang_harden
     warnings: list[str] = field(default_factory=list)
 
 
@@ -134,6 +135,29 @@ def _fill_from_info(node: Node, info: dict) -> None:
     node.max_req_input_len = _first_int(node, info, ("max_req_input_len",))
     backend = info.get("disaggregation_transfer_backend")
     node.transfer_backend = backend if isinstance(backend, str) else None
+    _fill_harden_report(node, info)
+
+
+def _fill_harden_report(node: Node, info: dict) -> None:
+    """sglang-harden adds ``internal_states[i].sglang_harden`` (armed guards, decision counts) to server info."""
+    states = info.get("internal_states")
+    if not isinstance(states, list):
+        return
+    for state in states:
+        report = state.get("sglang_harden") if isinstance(state, dict) else None
+        if not isinstance(report, dict):
+            continue
+        guards = report.get("guards")
+        if isinstance(guards, list):
+            node.armed_guards = sorted({*node.armed_guards, *(str(g) for g in guards)})
+        decisions = report.get("decisions")
+        if isinstance(decisions, dict):
+            for key, count in decisions.items():
+                guard, _, decision = str(key).partition(":")
+                value = _int(count)
+                if value is not None and decision:
+                    node.guards.setdefault(guard, {})
+                    node.guards[guard][decision] = node.guards[guard].get(decision, 0) + value
 
 
 def _pool_from_states(info: dict) -> int | None:
@@ -176,7 +200,9 @@ def _fill_from_metrics(node: Node, timeout_s: float, max_bytes: int) -> None:
         node.metrics = f"unavailable: HTTP {resp.status} (start the server with --enable-metrics)"
         return
     node.metrics = "ok"
-    node.guards = parse_guard_counters(resp.body.decode("utf-8", errors="replace"))
+    counters = parse_guard_counters(resp.body.decode("utf-8", errors="replace"))
+    if counters:
+        node.guards = counters  # the live counters of every process win over the scheduler snapshot
 
 
 def parse_guard_counters(text: str) -> dict[str, dict[str, float]]:
@@ -219,16 +245,13 @@ def findings(nodes: list[Node]) -> list[Finding]:
                         "--mem-fraction-static or lower --context-length)",
                     )
                 )
+        if node.armed_guards or node.guards:
+            continue
         if node.metrics != "ok":
-            out.append(Finding("guards_missing", node.url, f"cannot see guards: /metrics {node.metrics}"))
-        elif not node.guards:
-            out.append(
-                Finding(
-                    "guards_missing",
-                    node.url,
-                    f"no {METRIC_NAME}_total samples: sglang-harden guards not active (or no traffic yet)",
-                )
-            )
+            why = f"no sglang-harden report in server info, and /metrics {node.metrics}"
+        else:
+            why = f"no sglang-harden report in server info and no {METRIC_NAME}_total samples: guards not active"
+        out.append(Finding("guards_missing", node.url, why))
     out += _limit_asymmetry(audited)
     return out
 
@@ -264,11 +287,9 @@ def exit_code(nodes: list[Node], found: list[Finding], ignored: tuple[str, ...] 
 
 
 def _guards_cell(node: Node) -> str:
-    if node.metrics != "ok":
-        return "unknown (no /metrics)"
-    if not node.guards:
-        return "none"
-    parts = []
+    if not node.guards and not node.armed_guards:
+        return "none" if node.metrics == "ok" else "none seen (no /metrics)"
+    parts = [f"armed: {','.join(node.armed_guards)}"] if node.armed_guards else []
     for guard, decisions in sorted(node.guards.items()):
         counts = ",".join(f"{d}={int(v)}" for d, v in sorted(decisions.items()))
         parts.append(f"{guard}[{counts}]")

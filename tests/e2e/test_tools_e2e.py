@@ -176,5 +176,5 @@ def test_probe_passes_on_hardened_pair(hardened_asymmetric: Any) -> None:
     assert code == 0, data
     # and audit now sees the guards at work (the sizing findings stay: the pools are still asymmetric)
     code, audit = cli("audit", hardened_asymmetric.prefill.url, hardened_asymmetric.decode.url)
-    assert all(node["guards"] for node in audit["nodes"]), audit
+    assert all(node["armed_guards"] or node["guards"] for node in audit["nodes"]), audit
     assert "guards_missing" not in {f["code"] for f in audit["findings"]}

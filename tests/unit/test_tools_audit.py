@@ -137,3 +137,17 @@ def test_ignore_a_finding_code(capsys: pytest.CaptureFixture[str]) -> None:
     with serve(node.routes()) as url:
         code, data = run_audit(capsys, url, extra=("--ignore", "guards_missing"))
     assert code == 0 and [f["code"] for f in data["findings"]] == ["guards_missing"]
+
+
+def test_guards_from_server_info_report(capsys: pytest.CaptureFixture[str]) -> None:
+    node = FakeNode(role="prefill", pool_tokens=600, metrics=False)
+    info = node.server_info()
+    info["internal_states"][0]["sglang_harden"] = {"guards": ["admission", "retire"],
+                                                   "decisions": {"admission:reject": 2, "bogus": "x"}}
+    routes = node.routes()
+    routes[("GET", "/server_info")] = json_route(info)
+    with serve(routes) as url:
+        code, data = run_audit(capsys, url)
+    assert code == 0, data
+    assert data["nodes"][0]["armed_guards"] == ["admission", "retire"]
+    assert data["nodes"][0]["guards"] == {"admission": {"reject": 2}}
