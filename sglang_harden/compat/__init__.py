@@ -23,6 +23,7 @@ logger = logging.getLogger("sglang_harden")
 
 # pin -> family module (under sglang_harden.compat)
 SUPPORTED_PINS: dict[str, str] = {
+    "0.4.9.post6": "sglang_v049",
     "0.5.19": "sglang_v05",
     "0.5.20": "sglang_v05",
     "0.5.21": "sglang_v05",

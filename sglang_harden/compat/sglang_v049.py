@@ -1,0 +1,362 @@
+"""Hook table for SGLang 0.4.9.post6 (the oldest supported pin: no plugin API, no ``is_aborted``).
+
+Same guards as ``sglang_v05``, on this pin's names: output goes through ``Scheduler.stream_output``;
+``Req.set_finish_with_abort`` writes ``finished_reason`` directly and stubs the prompt to one token;
+an abort requested while a request runs sets ``req.to_abort``; there is no ``_commit_transfer_to_req``,
+so the coverage check sits on ``DecodeTransferQueue.pop_transferred``'s result (before a transferred
+request joins the waiting queue, i.e. before any decode step reads its pages); Mooncake has its own
+bootstrap-server and receiver classes, which carry the abort side channel. Activation: the launcher and
+its start-up hook only. No decision logic lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sglang_harden import events
+from sglang_harden.compat import notify
+from sglang_harden.compat.hooks import Hook, missing
+from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
+from sglang_harden.config import CapacityMode, Mode
+from sglang_harden.guards import admission, capacity, coverage, retire
+from sglang_harden.guards.abort_notify import decide_on_peer_abort
+from sglang_harden.guards.admission import AdmissionView, PendingRejection
+from sglang_harden.guards.base import Decision, Verdict
+
+logger = logging.getLogger("sglang_harden")
+
+FAMILY = "sglang-0.4.9"
+PREFILL = "sglang.srt.disaggregation.prefill"
+DECODE = "sglang.srt.disaggregation.decode"
+UTILS = "sglang.srt.disaggregation.utils"
+MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+SCHEDULER = "sglang.srt.managers.scheduler"
+TOKENIZER = "sglang.srt.managers.tokenizer_manager"
+COVERAGE_SLOT = 15  # output_ids[idx][15]: this pin writes only output_ids[idx][0]; 1..15 are RDMA padding
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's warm-up pairs decode with an in-process fake transfer (no KV)
+ABORT_NOTIFY_BACKENDS = ("mooncake",)
+
+Func = Callable[..., Any]
+
+
+# ---------------------------------------------------------------- reading SGLang objects
+
+
+def pending_rejection(req: Any) -> PendingRejection | None:
+    """The abort SGLang already decided for ``req`` (this pin records it in ``finished_reason``)."""
+    reason = getattr(req, "finished_reason", None)
+    if reason is not None and type(reason).__name__ == "FINISH_ABORT":
+        status = getattr(reason, "status_code", None)
+        return PendingRejection(str(reason.message), int(status or 400))
+    return None
+
+
+def is_aborted(req: Any) -> bool:
+    """An abort this pin has not turned into ``finished_reason`` yet (``AbortReq`` on a running request)."""
+    return bool(getattr(req, "to_abort", False))
+
+
+def role_of(scheduler: Any) -> str:
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    return str(getattr(mode, "value", mode) or "null")
+
+
+def _room(req: Any) -> int | None:
+    room = getattr(req, "bootstrap_room", None)
+    return None if room is None else int(room)
+
+
+def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) -> None:
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    prepare_abort(req, message, status_code=status_code)
+    scheduler.stream_output([req], req.return_logprob)
+
+
+def _publish_peer_abort(room: int | None, decision: Decision) -> None:
+    if room is None or RUNTIME.publisher is None:
+        return
+    RUNTIME.publisher.publish(notify.PeerAbort(room, decision.status_code or 500, decision.reason))
+
+
+# ---------------------------------------------------------------- admission (both doors)
+
+
+def _door(role: str) -> Callable[[Func], Func]:
+    """``PrefillBootstrapQueue.add(req, num_kv_heads)`` / ``DecodePreallocQueue.add(req, is_retracted)``."""
+
+    def make(original: Func) -> Func:
+        def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+            if role == "decode" and _is_retracted(args, kwargs):
+                return original(self, req, *args, **kwargs)
+            scheduler = self.scheduler
+            view = AdmissionView(
+                rid=str(req.rid),
+                role=role,
+                prompt_len=len(req.origin_input_ids),
+                pending=pending_rejection(req),
+                limit=getattr(scheduler, "max_req_input_len", None),
+            )
+            decision = admission.decide_admission(view)
+            if events.record(decision, RUNTIME.config.admission, room=_room(req)):
+                _abort_and_stream(scheduler, req, decision.reason, decision.status_code or 400)
+                if role == "prefill":
+                    _publish_peer_abort(_room(req), decision)
+                return None
+            return original(self, req, *args, **kwargs)
+
+        return add
+
+    return make
+
+
+def _is_retracted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A retracted request re-enters decode's door with its own KV (offloaded, not transferred)."""
+    return bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
+
+
+# ---------------------------------------------------------------- retire (prefill final send)
+
+
+def _retire_final_send(original: Func) -> Func:
+    def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
+        if last_chunk:
+            view = retire.RetireView(str(req.rid), pending_rejection(req), is_aborted(req))
+            decision = retire.decide_final_send(view)
+            if events.record(decision, RUNTIME.config.retire, room=_room(req)):
+                sender = getattr(req, "disagg_kv_sender", None)
+                if sender is not None:
+                    sender.abort()
+                _publish_peer_abort(_room(req), decision)
+                return None
+        return original(self, req, last_chunk, end_idx)
+
+    return send_kv_chunk
+
+
+# ---------------------------------------------------------------- coverage
+
+
+def _publish_coverage(original: Func) -> Func:
+    """Prefill: next to the first output token, say how many tokens of KV were sent for this room."""
+
+    def set_buf(self: Any, req: Any) -> Any:
+        result = original(self, req)
+        sent = int(getattr(req, "start_send_idx", len(req.origin_input_ids)))
+        value = coverage.encode_coverage(sent, int(req.bootstrap_room or 0))
+        self.output_ids[req.metadata_buffer_index][COVERAGE_SLOT] = value
+        return result
+
+    return set_buf
+
+
+def _check_coverage(original: Func) -> Func:
+    """Decode: every request ``pop_transferred`` hands over must have received KV for all it reserved."""
+
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = {id(d.req): d.metadata_buffer_index for d in self.queue}
+        transferred = original(self, *args, **kwargs)
+        return [req for req in transferred if _commit_allowed(self, req, slots.get(id(req)))]
+
+    return pop_transferred
+
+
+def _commit_allowed(queue: Any, req: Any, slot: int | None) -> bool:
+    """Read the coverage prefill published (still in the just-freed metadata slot) and decide."""
+    if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:
+        return True
+    room = int(req.bootstrap_room or 0)
+    sent = None
+    if slot is not None and slot >= 0:
+        sent = coverage.decode_coverage(int(queue.metadata_buffers.output_ids[slot][COVERAGE_SLOT]), room)
+    decision = coverage.decide_commit(str(req.rid), len(req.origin_input_ids), sent)
+    if not events.record(decision, RUNTIME.config.coverage, room=room):
+        return True
+    _abort_transferred(queue, req, decision)
+    return False
+
+
+def _abort_transferred(queue: Any, req: Any, decision: Decision) -> None:
+    """SGLang's own transfer-failure path: abort, answer the client, release the pages."""
+    from sglang.srt.disaggregation import decode
+
+    decode.prepare_abort(req, decision.reason, status_code=decision.status_code)
+    queue.scheduler.stream_output([req], req.return_logprob)
+    queue.tree_cache.cache_finished_req(req)
+
+
+# ---------------------------------------------------------------- abort notification
+
+
+def _bootstrap_routes(original: Func) -> Func:
+    """Prefill's Mooncake bootstrap server (in the HTTP server's process) gains the two notify routes."""
+
+    def setup_routes(self: Any) -> Any:
+        result = original(self)
+        self.app.router.add_put(notify.ABORT_PATH, _handle_abort_put)
+        self.app.router.add_get(notify.ABORTS_PATH, _handle_aborts_get)
+        return result
+
+    return setup_routes
+
+
+async def _handle_abort_put(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        abort = notify.parse_abort_body(await request.content.read(64 * 1024))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    notify.BOARD.post(abort)
+    return web.json_response({"ok": True})
+
+
+async def _handle_aborts_get(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        rooms = notify.parse_rooms_query(request.query.get("rooms", ""))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return web.json_response(notify.aborts_payload(rooms))
+
+
+def _watch_receiver(original: Func) -> Func:
+    def init(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: Any = None, *a: Any, **k: Any) -> Any:
+        result = original(self, mgr, bootstrap_addr, bootstrap_room, *a, **k)
+        watcher = RUNTIME.decode_watcher(_fail_receiver_room)
+        if bootstrap_room is not None and watcher is not None:
+            watcher.watch(bootstrap_addr, int(bootstrap_room), self)
+        return result
+
+    return init
+
+
+def _fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
+    """Mark the room failed in decode's own KV manager; every poll (all TP ranks) then reports Failed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if getattr(receiver, "conclude_state", None) is not None:
+        return
+    decision = decide_on_peer_abort(str(abort.room), transfer_may_be_in_flight=False, writer_drained=True)
+    if events.record(decision, RUNTIME.config.abort_notify, room=abort.room, peer_reason=abort.message):
+        receiver.kv_mgr.record_failure(abort.room, abort.message)
+        receiver.kv_mgr.update_status(abort.room, KVPoll.Failed)
+
+
+def _peer_status_abort(original: Func) -> Func:
+    """Decode's failure path aborts with 500; a room prefill rejected keeps prefill's own status and text."""
+
+    def prepare_abort(req: Any, error_message: str, status_code: Any = None) -> Any:
+        watcher = RUNTIME.watcher
+        hit = watcher.hit(_room(req)) if watcher is not None else None
+        if hit is not None:
+            return original(req, hit.message, status_code=hit.status_code)
+        return original(req, error_message, status_code=status_code)
+
+    return prepare_abort
+
+
+# ---------------------------------------------------------------- start-up: capacity gate, verification
+
+
+def _scheduler_started(original: Func) -> Func:
+    def init(self: Any, server_args: Any, port_args: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, server_args, port_args, *args, **kwargs)
+        role = role_of(self)
+        _verify_in_process(role, str(getattr(server_args, "disaggregation_transfer_backend", "")))
+        _capacity_gate(self)
+        if role == "prefill":
+            RUNTIME.start_publisher(_bootstrap_base_url(self))
+        RUNTIME.log_active(role=f"scheduler/{role}")
+        return result
+
+    return init
+
+
+def _bootstrap_base_url(scheduler: Any) -> str:
+    host = scheduler.server_args.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
+
+
+def _capacity_gate(scheduler: Any) -> None:
+    mode: CapacityMode = RUNTIME.config.capacity
+    context_len = int(scheduler.model_config.context_len)
+    decision = capacity.decide_capacity(
+        context_len, int(scheduler.max_req_input_len), capacity.SGLANG_MARGIN, mode
+    )
+    if not events.record(decision, capacity.record_mode(mode), role=role_of(scheduler)):
+        return
+    if decision.verdict is Verdict.CLAMP:
+        scheduler.model_config.context_len = int(decision.fields["context_len"])
+        return
+    raise HardenRefusal("sglang-harden capacity gate: " + decision.reason)
+
+
+def _tokenizer_learns_limit(module: Any) -> None:
+    """Clamp mode: when the main process learns the pool-derived limit, it lowers its advertised context."""
+    cls = module.TokenizerManager
+
+    def get(self: Any) -> Any:
+        return self.__dict__.get("_harden_max_req_input_len")
+
+    def set_(self: Any, value: Any) -> None:
+        self.__dict__["_harden_max_req_input_len"] = value
+        if value is None or RUNTIME.config.capacity is not CapacityMode.CLAMP:
+            return
+        fitting = capacity.largest_fitting_context(int(value))
+        if fitting < self.model_config.context_len:
+            logger.warning("sglang-harden: clamping advertised context %s -> %s", self.context_len, fitting)
+            self.model_config.context_len = fitting
+            self.context_len = fitting
+
+    cls.max_req_input_len = property(get, set_)
+
+
+def _verify_in_process(role: str, backend: str) -> None:
+    """Refuse to serve if a hook this role needs is not in place here, or cannot work on this backend."""
+    if role == "decode" and RUNTIME.config.abort_notify is not Mode.OFF and backend not in ABORT_NOTIFY_BACKENDS:
+        raise HardenRefusal(
+            f"sglang-harden on SGLang 0.4.9: abort notification supports the {'/'.join(ABORT_NOTIFY_BACKENDS)} "
+            f"transfer backend, not {backend!r}; use mooncake or start with --harden-abort-notify off"
+        )
+    needed = [h for h in HOOKS if role in ROLES_BY_OWNER.get(h.owner, {role}) and _armed(h.owner)]
+    gaps = missing(needed)
+    if gaps:
+        raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))
+
+
+def _armed(owner: str) -> bool:
+    """Hooks of a guard configured ``off`` are never registered, so they are not expected in place."""
+    return owner == "startup" or RUNTIME.config.mode(owner) is not Mode.OFF
+
+
+# ---------------------------------------------------------------- the table
+
+HOOKS: list[Hook] = [
+    Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"), _door("prefill")),
+    Hook("admission", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"), _door("decode")),
+    Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+         ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
+    Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
+    Hook("coverage", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _check_coverage),
+    Hook("abort_notify", MOONCAKE, "MooncakeKVBootstrapServer._setup_routes", ("self",), _bootstrap_routes),
+    Hook("abort_notify", MOONCAKE, "MooncakeKVReceiver.__init__",
+         ("self", "mgr", "bootstrap_addr", "bootstrap_room"), _watch_receiver),
+    Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), _peer_status_abort),
+    Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
+]
+
+# Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).
+ROLES_BY_OWNER: dict[str, set[str]] = {
+    "admission": {"prefill", "decode"},
+    "retire": {"prefill"},
+    "coverage": {"prefill", "decode"},
+    "abort_notify": {"decode"},
+    "startup": {"prefill", "decode", "null"},
+}
+
+MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: _tokenizer_learns_limit}
