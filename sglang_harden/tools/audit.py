@@ -34,6 +34,8 @@ LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n", 1)[1]
     parser.add_argument("urls", nargs="+", metavar="URL", help="SGLang server base URLs (prefill and decode)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument(

@@ -29,6 +29,8 @@ _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n", 1)[1]
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
         "--sglang-root",
@@ -216,6 +218,8 @@ def build_rows(
     natives: dict[str, P.Native], harden: HardenInfo, launch_args: list[str], environ: dict[str, str]
 ) -> list[Row]:
     modes, _ = guard_modes(environ)
+    if environ.get("SGLANG_HARDEN_ACTIVATE", "").strip() == "0":  # installed but switched off
+        modes = dict.fromkeys(modes, "off")
     rows = []
     for prot in P.PROTECTIONS:
         native = natives[prot.key]

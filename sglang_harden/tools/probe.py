@@ -53,6 +53,8 @@ NON_LOOPBACK_HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("\n\n", 1)[1]
     parser.add_argument("url", nargs="?", help="router or server base URL (omit with --prefill/--decode)")
     parser.add_argument("--prefill", help="prefill server URL of a direct PD pair (no router)")
     parser.add_argument("--decode", help="decode server URL of a direct PD pair (no router)")

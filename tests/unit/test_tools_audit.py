@@ -142,8 +142,10 @@ def test_ignore_a_finding_code(capsys: pytest.CaptureFixture[str]) -> None:
 def test_guards_from_server_info_report(capsys: pytest.CaptureFixture[str]) -> None:
     node = FakeNode(role="prefill", pool_tokens=600, metrics=False)
     info = node.server_info()
-    info["internal_states"][0]["sglang_harden"] = {"guards": ["admission", "retire"],
-                                                   "decisions": {"admission:reject": 2, "bogus": "x"}}
+    info["internal_states"][0]["sglang_harden"] = {
+        "guards": ["admission", "retire"],
+        "decisions": {"admission:reject": 2, "bogus": "x"},
+    }
     routes = node.routes()
     routes[("GET", "/server_info")] = json_route(info)
     with serve(routes) as url:

@@ -206,3 +206,13 @@ def test_switches_from_env_and_launch_args(
 def test_no_sglang_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--sglang-root", str(tmp_path)]) == 2
     assert "no sglang package" in capsys.readouterr().out
+
+
+def test_activation_switched_off_supplies_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_tree(tmp_path, PREFILL_VANILLA, DECODE_VANILLA, version="0.5.19")
+    monkeypatch.setenv("SGLANG_HARDEN_ACTIVATE", "0")
+    main(["doctor", "--sglang-root", str(tmp_path), "--json"])
+    rows = json.loads(capsys.readouterr().out)["protections"]
+    assert not any(r["supplied_by_harden"] for r in rows)
