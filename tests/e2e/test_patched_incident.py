@@ -1,0 +1,121 @@
+"""The incident on a real PD pair whose SGLang is a patched copy (``patches/<pin>``) with the plugin OFF.
+
+The pin's installed ``sglang/`` is copied, ``sglang-harden patch apply`` patches the copy, and the copy goes
+first on PYTHONPATH of both servers (``SGLANG_HARDEN_ACTIVATE=0``, so the plugin's entry point stays out).
+The scenario's pools are deliberately too small for the context, so the backported capacity gate runs in
+log mode (``SGLANG_HARDEN_CAPACITY=log``) — the request-path patches are what must stop the leak.
+
+Per pin, one vanilla pair and one patched pair (sequentially), rounds: tenant A (200 tokens) then tenant B
+(300 tokens; prefill's limit 250, decode's 394):
+- patched: B gets HTTP 400 with prefill's original "exceeds the maximum allowed length" message from prefill
+  AND from decode, decode answers within seconds (not its waiting timeout), no completion for B;
+- normal requests are unchanged: A's greedy output ids are identical on the vanilla and the patched pair.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.envs import require_env
+from sglang_harden.testbed.incident import IncidentSetup, RoundResult, run_round, start_incident_pair
+from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.tools import patch as patch_tool
+
+pytestmark = pytest.mark.e2e
+
+PINS = ["0.5.19"]
+SETUP = IncidentSetup(waiting_timeout_s=30)
+SEEDS = (100, 1, 2)
+TOO_LONG = "exceeds the maximum allowed length"
+PROMPT_S = 5.0
+_runs: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def _progress(msg: str) -> None:
+    print(f"[patched-incident] {msg}", file=sys.stderr, flush=True)
+
+
+def _site_packages(pin: str) -> Path:
+    python = require_env(pin)
+    found = sorted(Path(python).parent.parent.glob("lib/python3*/site-packages"))
+    assert found and (found[0] / "sglang").is_dir(), f"no sglang in the {pin} venv"
+    return found[0]
+
+
+def patched_tree(pin: str, dest: Path) -> Path:
+    """A copy of the pin's installed ``sglang/`` with the pin's series applied (the plugin is not in it)."""
+    shutil.copytree(_site_packages(pin) / "sglang", dest / "sglang",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    report = patch_tool.apply_series(dest, pin)
+    assert report.ok, report.message
+    assert patch_tool.verify_series(dest, pin).ok
+    return dest
+
+
+def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, Any]:
+    env = {"SGLANG_HARDEN_ACTIVATE": "0"}
+    if tree is not None:
+        env.update({"PYTHONPATH": f"{tree}:{SHIMS_DIR}", "SGLANG_HARDEN_CAPACITY": "log"})
+    _progress(f"{pin} {variant}: starting pair (logs {log_dir})")
+    pair = start_incident_pair(pin, hardened=False, setup=SETUP, log_dir=log_dir, extra_env=env, progress=True)
+    rounds: list[RoundResult] = []
+    try:
+        for index, seed in enumerate(SEEDS):
+            rounds.append(run_round(pair, index, seed, SETUP, tag=f"{variant}-"))
+            b = rounds[-1].b
+            _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
+                      f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
+        logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
+    finally:
+        pair.stop()
+    return {"rounds": rounds, "logs": logs}
+
+
+@pytest.fixture(scope="module")
+def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    def get(pin: str, variant: str) -> dict[str, Any]:
+        require_pin(pin)
+        key = (pin, variant)
+        if key not in _runs:
+            tree = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}")) if variant == "patched" else None
+            _runs[key] = _run(pin, variant, tmp_path_factory.mktemp(f"{variant}-{pin}"), tree)
+        return _runs[key]
+
+    return get
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_tree_rejects_b_at_prefill_and_decode(incident: Any, pin: str) -> None:
+    for rnd in incident(pin, "patched")["rounds"]:
+        b = rnd.b
+        assert b.prefill.status == 400, b.prefill.summary()
+        assert TOO_LONG in b.prefill.error_message()
+        assert b.decode.status == 400, b.decode.summary()
+        assert TOO_LONG in b.decode.error_message(), b.decode.error_message()
+        assert b.decode.elapsed_s < PROMPT_S, f"decode answered B after {b.decode.elapsed_s:.1f}s"
+        assert not b.decode.output_ids
+        assert rnd.a_rows_read_by_b == 0
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_code_runs_in_the_servers(incident: Any, pin: str) -> None:
+    """The patched copy, not the venv's SGLang, is what the scheduler processes ran (plugin off)."""
+    logs = incident(pin, "patched")["logs"]
+    for role in ("prefill", "decode"):
+        assert "KV pool too small for the configured context" in logs[role], role
+    assert "pd_rejections: prefill" in logs["decode"]
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
+    vanilla, patched = incident(pin, "vanilla")["rounds"], incident(pin, "patched")["rounds"]
+    assert len(vanilla) == len(patched) == len(SEEDS)
+    for v, p in zip(vanilla, patched, strict=True):
+        assert v.a.decode.ok and p.a.decode.ok, (v.a.decode.summary(), p.a.decode.summary())
+        assert p.a.decode.output_ids == v.a.decode.output_ids
+        assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
