@@ -1,0 +1,128 @@
+"""compat without SGLang: pin gate, hook installer, launcher arguments, config parsing."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from sglang_harden.compat import SUPPORTED_PINS, family_module_for, hooks
+from sglang_harden.compat.runtime import HardenRefusal
+from sglang_harden.config import CapacityMode, ConfigError, Mode, flag_to_env, load_config
+from sglang_harden.launch_server import split_harden_args
+
+
+def test_unknown_pin_refused_with_pin_and_override_named() -> None:
+    with pytest.raises(HardenRefusal) as info:
+        family_module_for("0.5.99", allow_unknown=False)
+    message = str(info.value)
+    assert "0.5.99" in message and "SGLANG_HARDEN_ALLOW_UNKNOWN_PIN" in message
+    assert "--harden-allow-unknown-pin" in message
+
+
+def test_unknown_pin_allowed_only_by_override() -> None:
+    assert family_module_for("0.5.99", allow_unknown=True) == "sglang_v05"
+
+
+def test_missing_sglang_refused() -> None:
+    with pytest.raises(HardenRefusal, match="not installed"):
+        family_module_for(None, allow_unknown=True)
+
+
+def test_every_ci_pin_has_a_family() -> None:
+    from sglang_harden.testbed.envs import ci_pins
+
+    assert set(ci_pins()) <= set(SUPPORTED_PINS)
+
+
+def _fake_module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+
+    class Queue:
+        def add(self, req: object, num_kv_heads: int) -> str:
+            return f"added {req}"
+
+    module.Queue = Queue  # type: ignore[attr-defined]
+    sys.modules[name] = module
+    return module
+
+
+def _guarded(original: hooks.Callable[..., object]) -> hooks.Callable[..., object]:
+    def add(self: object, req: object, num_kv_heads: int) -> object:
+        return "rejected" if req == "bad" else original(self, req, num_kv_heads)
+
+    return add
+
+
+def test_hook_installs_on_loaded_module_and_is_verifiable() -> None:
+    module = _fake_module("fake_sglang_ok")
+    hook = hooks.Hook("admission", "fake_sglang_ok", "Queue.add", ("self", "req", "num_kv_heads"), _guarded)
+    assert hooks.missing([hook]) == ["admission -> fake_sglang_ok.Queue.add"]
+    hooks.register(hook)
+    queue = module.Queue()
+    assert queue.add("bad", 2) == "rejected"
+    assert queue.add("good", 2) == "added good"
+    assert hooks.missing([hook]) == []
+
+
+def test_hook_signature_mismatch_fails_closed() -> None:
+    _fake_module("fake_sglang_moved")
+    hook = hooks.Hook("admission", "fake_sglang_moved", "Queue.add", ("self", "req", "is_retracted"), _guarded)
+    with pytest.raises(hooks.HookInstallError, match="expected parameters"):
+        hooks.register(hook)
+
+
+def test_hook_missing_target_fails_closed() -> None:
+    _fake_module("fake_sglang_gone")
+    hook = hooks.Hook("admission", "fake_sglang_gone", "Queue.pop_bootstrapped", ("self",), _guarded)
+    with pytest.raises(hooks.HookInstallError, match="not found"):
+        hooks.register(hook)
+
+
+def test_hook_waits_for_module_import(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "late_sglang_mod.py"  # type: ignore[operator]
+    package.write_text("class Queue:\n    def add(self, req, num_kv_heads):\n        return 'added'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hook = hooks.Hook("admission", "late_sglang_mod", "Queue.add", ("self", "req", "num_kv_heads"), _guarded)
+    hooks.register(hook)
+    import late_sglang_mod  # type: ignore[import-not-found]
+
+    assert late_sglang_mod.Queue().add("bad", 1) == "rejected"
+
+
+def test_launcher_splits_harden_options() -> None:
+    env, rest = split_harden_args(
+        ["--model-path", "m", "--harden-capacity", "clamp", "--port", "1", "--harden-coverage=log"]
+    )
+    assert rest == ["--model-path", "m", "--port", "1"]
+    assert env == {"SGLANG_HARDEN_CAPACITY": "clamp", "SGLANG_HARDEN_COVERAGE": "log"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--harden-nonsense", "1"], "unknown option"),
+        (["--harden-capacity", "maybe"], "SGLANG_HARDEN_CAPACITY"),
+        (["--harden-admission"], "needs a value"),
+    ],
+)
+def test_launcher_rejects_bad_options(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        split_harden_args(argv)
+
+
+def test_config_defaults_are_safe_and_env_overrides() -> None:
+    default = load_config({})
+    assert all(default.mode(g) is Mode.ENFORCE for g in default.active_guards())
+    assert default.capacity is CapacityMode.ENFORCE
+    tuned = load_config({"SGLANG_HARDEN_RETIRE": "off", "SGLANG_HARDEN_CAPACITY": "log"})
+    assert "retire" not in tuned.active_guards()
+    assert tuned.capacity is CapacityMode.LOG
+
+
+def test_config_bad_value_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="SGLANG_HARDEN_QUARANTINE_CAP_PAGES"):
+        load_config({"SGLANG_HARDEN_QUARANTINE_CAP_PAGES": "-3"})
+    with pytest.raises(ConfigError):
+        flag_to_env("--harden-admission", "sometimes")

@@ -1,0 +1,102 @@
+"""The abort side channel without SGLang: board, message validation, and a watcher against a local fake."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from sglang_harden.compat import notify
+
+
+def test_board_bounded_by_count_and_age() -> None:
+    board = notify.AbortBoard(capacity=2, ttl_s=0.2)
+    for room in (1, 2, 3):
+        board.post(notify.PeerAbort(room, 400, f"r{room}"))
+    assert [a.room for a in board.lookup([1, 2, 3])] == [2, 3]
+    time.sleep(0.25)
+    assert board.lookup([2, 3]) == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b"[]", b'{"room": "1", "status_code": 400, "message": "x"}',
+     b'{"room": 1, "status_code": 200, "message": "x"}', b'{"room": 1, "status_code": 400}'],
+)
+def test_malformed_abort_bodies_are_refused(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        notify.parse_abort_body(body)
+
+
+def test_abort_body_message_is_capped() -> None:
+    abort = notify.parse_abort_body(json.dumps({"room": 5, "status_code": 400, "message": "x" * 10000}).encode())
+    assert abort.room == 5 and len(abort.message) == 4096
+
+
+def test_rooms_query_is_bounded() -> None:
+    assert notify.parse_rooms_query("1,2, 3,") == [1, 2, 3]
+    with pytest.raises(ValueError):
+        notify.parse_rooms_query(",".join(str(i) for i in range(notify.MAX_ROOMS_PER_QUERY + 1)))
+
+
+class _FakeBootstrap(BaseHTTPRequestHandler):
+    board = notify.AbortBoard()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        rooms = notify.parse_rooms_query(parse_qs(urlparse(self.path).query).get("rooms", [""])[0])
+        hits = {str(a.room): {"status_code": a.status_code, "message": a.message} for a in self.board.lookup(rooms)}
+        self._reply({"aborts": hits})
+
+    def do_PUT(self) -> None:  # noqa: N802
+        abort = notify.parse_abort_body(self.rfile.read(int(self.headers["Content-Length"])))
+        self.board.post(abort)
+        self._reply({"ok": True})
+
+    def _reply(self, payload: dict[str, object]) -> None:
+        raw = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def bootstrap() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeBootstrap)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Receiver:
+    pass
+
+
+def test_publisher_to_watcher_round_trip(bootstrap: str) -> None:
+    seen: list[tuple[object, notify.PeerAbort]] = []
+    watcher = notify.DecodeWatcher(lambda receiver, abort: seen.append((receiver, abort)))
+    waiting, other = _Receiver(), _Receiver()
+    watcher.watch(bootstrap, 41, waiting)
+    watcher.watch(bootstrap, 42, other)
+    notify.Publisher(f"http://{bootstrap}").publish(notify.PeerAbort(41, 400, "Input length (300 tokens) exceeds"))
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen and seen[0][0] is waiting and seen[0][1].status_code == 400
+    assert watcher.hit(41) is not None and watcher.hit(42) is None
+
+
+def test_watcher_survives_unreachable_bootstrap() -> None:
+    assert notify.fetch_aborts("127.0.0.1:9", [1, 2]) == []
