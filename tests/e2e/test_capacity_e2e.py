@@ -1,0 +1,69 @@
+"""Capacity gate on a real server: context 512 with a 256-token KV pool (max_req_input_len 250).
+
+- vanilla starts and advertises 512 although no prompt over 250 tokens can ever run (the incident's setup);
+- hardened, default (enforce): the server exits non-zero, the log names both numbers and the fixing flags;
+- hardened, ``--harden-capacity clamp``: the server starts and advertises the context that fits (256).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.client import http_json
+from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server, ServerError
+
+pytestmark = pytest.mark.e2e
+
+PINS = list(load_pins())
+POOL, CONTEXT, FITTING = 256, 512, 256
+GATE_MESSAGE = "sglang-harden capacity gate: KV pool too small for the configured context"
+
+
+@pytest.fixture(scope="module", params=PINS)
+def pin(request: pytest.FixtureRequest, require_pin: Any) -> str:
+    require_pin(request.param)
+    return str(request.param)
+
+
+def _server(pin: str, hardened: bool, tmp_path: Any, extra: list[str] | None = None) -> Server:
+    env = {"SGLANG_HARDEN_ACTIVATE": "1"} if hardened else {}
+    return Server(pin, "mixed", max_total_tokens=POOL, context_length=CONTEXT, env=env,
+                  launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
+                  extra_flags=extra or [], log_dir=tmp_path, startup_timeout=900.0)
+
+
+def _advertised_context(server: Server) -> int:
+    status, body = http_json("GET", server.url + "/v1/models", timeout=10.0)
+    assert status == 200, body
+    return int(body["data"][0]["max_model_len"])
+
+
+def test_vanilla_advertises_a_context_its_pool_cannot_hold(pin: str, tmp_path: Any) -> None:
+    with _server(pin, hardened=False, tmp_path=tmp_path) as server:
+        assert _advertised_context(server) == CONTEXT
+
+
+def test_hardened_refuses_to_start(pin: str, tmp_path: Any) -> None:
+    server = _server(pin, hardened=True, tmp_path=tmp_path)
+    started = time.monotonic()
+    with pytest.raises(ServerError):
+        server.start().wait_ready()
+    server.stop()
+    log = server.log_text()
+    assert GATE_MESSAGE in log, server.log_tail()
+    assert "max_req_input_len=250" in log and f"context_len={CONTEXT}" in log
+    assert "--harden-capacity clamp" in log
+    assert server.proc.returncode not in (None, 0), server.proc.returncode
+    assert time.monotonic() - started < 900
+
+
+def test_hardened_clamp_starts_with_the_context_that_fits(pin: str, tmp_path: Any) -> None:
+    with _server(pin, hardened=True, tmp_path=tmp_path, extra=["--harden-capacity", "clamp"]) as server:
+        assert _advertised_context(server) == FITTING
+        status, body = http_json("POST", server.url + "/generate", {
+            "input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, timeout=60)
+        assert status == 400, body

@@ -1,0 +1,213 @@
+"""Guards I on real SGLang PD pairs (tiny model, Mooncake TCP, loopback): hardened vs vanilla, per pin.
+
+The incident setup of ``sglang_harden.testbed.incident`` (prefill limit 250 < B's 300 tokens <= decode's 394).
+The vanilla side of the same scenario is asserted in ``test_incident.py`` (<= 0.5.20: B gets 200 and reads
+A's KV; 0.5.21+: prefill 400, decode holds its reservation until the waiting timeout). Here:
+
+- hardened (``sglang_harden.launch_server``; capacity gate in ``log`` mode because the scenario's pools are
+  deliberately too small): B gets HTTP 400 with the original "too long" message from prefill, from decode and
+  through sglang-router, within 5 s; decode never generates for B; both pools are full again at quiesce;
+  normal requests answer exactly as on vanilla.
+- coverage (``--allow-auto-truncate`` on prefill, so nothing is rejected and prefill silently sends KV for
+  250 of B's 300 tokens): vanilla decode answers 200 over 50 rows it never received; hardened aborts B.
+- activation: the guards are armed in the scheduler subprocesses (their own start-up log line), through the
+  launcher on every pin and through SGLang's plugin entry point with a plain ``sglang.launch_server``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.client import greedy_body
+from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.incident import IncidentSetup, start_incident_pair, tenant_a_prompt, tenant_b_prompt
+from sglang_harden.testbed.server import PDPair, Server
+
+pytestmark = pytest.mark.e2e
+
+PINS = list(load_pins())
+SETUP = IncidentSetup(waiting_timeout_s=60)
+TOO_LONG = "exceeds the maximum allowed length"
+PROMPT_BOUND_S = 5.0
+HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
+NORMAL_SEEDS = (11, 12, 13)
+
+
+def _say(msg: str) -> None:
+    print(f"[guards-e2e] {msg}", file=sys.stderr, flush=True)
+
+
+PairFactory = Callable[[str], PDPair]
+
+
+@pytest.fixture(scope="module", params=PINS)
+def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
+    """Module-scoped, so pytest runs every test of one pin before starting the next pin's servers."""
+    require_pin(request.param)
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def pairs(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PairFactory]:
+    """``pairs(kind)`` -> a started pair of this pin; every pair is stopped when the pin's tests end.
+
+    Kinds come in groups ("hardened"; "vanilla-truncate" + "hardened-truncate"); starting a pair of another
+    group first stops the running group, so at most two pairs run at once on this 2-core machine."""
+    started: dict[str, PDPair] = {}
+
+    def get(kind: str) -> PDPair:
+        if kind not in started:
+            for other in [k for k in started if _group(k) != _group(kind)]:
+                started.pop(other).stop()
+            log_dir: Path = tmp_path_factory.mktemp(f"guards-{pin}-{kind}")
+            _say(f"{pin}: starting {kind} pair (logs {log_dir})")
+            started[kind] = _start(pin, kind, log_dir)
+        return started[kind]
+
+    try:
+        yield get
+    finally:
+        for pair in started.values():
+            pair.stop()
+
+
+def _group(kind: str) -> str:
+    return "truncate" if kind.endswith("truncate") else kind
+
+
+def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
+    hardened = kind.startswith("hardened")
+    truncate = kind.endswith("truncate")
+    if truncate:
+        return _start_truncating(pin, hardened, log_dir)
+    return start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, router=True,
+                               harden_env=HARDEN_ENV, progress=True)
+
+
+def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
+    from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
+
+    env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(SETUP.waiting_timeout_s)}
+    if hardened:
+        env.update({"SGLANG_HARDEN_ACTIVATE": "1", **HARDEN_ENV})
+    pair = PDPair(
+        pin,
+        prefill_max_total_tokens=SETUP.prefill_max_total_tokens,
+        decode_max_total_tokens=SETUP.decode_max_total_tokens,
+        context_length=SETUP.context_length,
+        num_reserved_decode_tokens=SETUP.num_reserved_decode_tokens,
+        prefill_flags=["--allow-auto-truncate"],
+        env=env,
+        launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
+        log_dir=log_dir,
+        progress=True,
+    )
+    return pair.start()
+
+
+def _harden_state(server: Server) -> dict[str, Any]:
+    states = server.server_info().get("internal_states") or [{}]
+    return states[0].get("sglang_harden") or {}
+
+
+def _wait_pool_full(server: Server, timeout: float = PROMPT_BOUND_S) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = _harden_state(server)
+        free = state.get("available_tokens", 0) + state.get("evictable_tokens", 0)
+        if state and free == state.get("max_total_num_tokens"):
+            return state
+        if time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def _send_a_then_b(pair: PDPair, tag: str) -> Any:
+    a = pair.generate(greedy_body(tenant_a_prompt(1, SETUP.a_len), SETUP.new_tokens, rid=f"{tag}-A"))
+    assert a.prefill.ok and a.decode.ok, (a.prefill.summary(), a.decode.summary())
+    return pair.generate(greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid=f"{tag}-B"),
+                         timeout=SETUP.waiting_timeout_s + 60)
+
+
+def _decode_generated_for(pair: PDPair, rid: str) -> bool:
+    trace = pair.log_dir / "kvtrace"
+    from sglang_harden.testbed.incident import first_decode_event
+
+    return first_decode_event(trace, rid) is not None
+
+
+def test_oversized_prompt_rejected_at_both_doors_direct(pairs: PairFactory, pin: str) -> None:
+    pair = pairs("hardened")
+    b = _send_a_then_b(pair, "direct")
+    for half in (b.prefill, b.decode):
+        assert half.status == 400, half.summary()
+        assert TOO_LONG in half.error_message(), half.error_message()
+        assert half.output_ids is None
+    assert b.decode.elapsed_s < PROMPT_BOUND_S, b.decode.summary()
+    assert not _decode_generated_for(pair, "direct-B"), "decode ran a decode step for the rejected request"
+
+
+def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) -> None:
+    pair = pairs("hardened")
+    started = time.monotonic()
+    result = pair.generate_via_router(greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="router-B"),
+                                      timeout=SETUP.waiting_timeout_s + 60)
+    elapsed = time.monotonic() - started
+    assert result.status == 400, result.summary()
+    assert TOO_LONG in result.error_message(), result.error_message()
+    assert elapsed < PROMPT_BOUND_S, elapsed
+    assert not _decode_generated_for(pair, "router-B")
+
+
+def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> None:
+    pair = pairs("hardened")
+    _send_a_then_b(pair, "quiesce")
+    for server in (pair.prefill, pair.decode):
+        state = _wait_pool_full(server)
+        assert state, f"{server.name}: no sglang_harden state in /server_info (guards not armed?)"
+        free = state["available_tokens"] + state["evictable_tokens"]
+        assert free == state["max_total_num_tokens"], (server.name, state)
+        assert state["decisions"], state
+
+
+def test_guards_armed_in_scheduler_processes_via_launcher(pairs: PairFactory, pin: str) -> None:
+    pair = pairs("hardened")
+    for server in (pair.prefill, pair.decode):
+        log = server.log_text()
+        line = f"sglang-harden active: pin={pin}"
+        assert line in log and f"role=scheduler/{server.role}" in log, server.log_tail()
+        state = _harden_state(server)
+        assert {"admission", "retire", "coverage", "abort_notify"} <= set(state.get("guards", [])), state
+
+
+def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
+    """Auto-truncate: prefill sends KV for 250 tokens, decode reserved 300. Vanilla serves it; hardened aborts."""
+    body = greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="trunc-B")
+    vanilla = pairs("vanilla-truncate")
+    v = vanilla.generate(body, timeout=SETUP.waiting_timeout_s + 60)
+    assert v.prefill.ok, v.prefill.summary()
+    assert v.decode.ok and v.decode.output_ids, ("vanilla no longer serves a short send", v.decode.summary())
+    hardened = pairs("hardened-truncate")
+    h = hardened.generate(body, timeout=SETUP.waiting_timeout_s + 60)
+    assert h.decode.status >= 400, h.decode.summary()
+    assert "prefill sent KV for 250 tokens but decode reserved 300" in h.decode.error_message(), h.decode.summary()
+    assert h.decode.elapsed_s < PROMPT_BOUND_S
+    assert _wait_pool_full(hardened.decode).get("available_tokens") is not None
+
+
+def test_normal_requests_unchanged(pairs: PairFactory, pin: str) -> None:
+    """Greedy output of legitimate requests: hardened == vanilla, token for token (same pin, same prompts)."""
+    prompts = [greedy_body(tenant_a_prompt(seed, 120), 12, rid=None) for seed in NORMAL_SEEDS]
+    outputs: dict[str, list[Any]] = {}
+    for kind in ("vanilla-truncate", "hardened-truncate"):
+        pair = pairs(kind)
+        results = [pair.generate(p) for p in prompts]
+        assert all(r.decode.ok for r in results), [r.decode.summary() for r in results]
+        outputs[kind] = [r.decode.output_ids for r in results]
+    assert outputs["vanilla-truncate"] == outputs["hardened-truncate"]
