@@ -1,0 +1,206 @@
+"""Shared patch text (headers and code blocks) for the 0.5.x series."""
+from pathlib import Path
+
+PD_REJECTIONS = (Path(__file__).resolve().parent / "pd_rejections.py").read_text()
+PREFILL = "sglang/srt/disaggregation/prefill.py"
+DECODE = "sglang/srt/disaggregation/decode.py"
+UTILS = "sglang/srt/disaggregation/utils.py"
+CONN = "sglang/srt/disaggregation/common/conn.py"
+NEWMOD = "sglang/srt/disaggregation/common/pd_rejections.py"
+SCHED = "sglang/srt/managers/scheduler.py"
+
+H_ADMISSION = """\
+sglang-harden backport: admission at both PD doors
+
+What: PrefillBootstrapQueue.add and DecodePreallocQueue.add answer a request that SGLang already
+rejected (a FINISH_ABORT left in req.to_finish or req.finished_reason, e.g. "Input length ... exceeds
+the maximum allowed length") with that original error and status (400 for too long), before any
+bootstrap, sender/receiver, metadata buffer or KV allocation.
+
+Why: in this release set_finish_with_abort only records the verdict in to_finish and swaps the prompt
+for a one-token stub; neither door reads it, so the stub bootstraps, prefill sends KV for one token and
+reports the transfer complete, and decode (which reserved pages for the whole prompt) decodes over
+pages that still hold another request's KV. Retracted/rebootstrapping decode requests carry their own
+KV and pass through unchanged.
+"""
+
+H_RETIRE = """\
+sglang-harden backport: retire an aborted prefill result before the final KV send
+
+What: send_kv_chunk(last_chunk=True) for a request that is already aborted (to_finish or
+finished_reason is FINISH_ABORT) fails the request's KV sender instead of writing its metadata and
+sending its last chunk; the inflight queue then sees the sender failed and releases the request
+through SGLang's normal failure path.
+
+Why: the final send is what tells decode "transfer complete". For an aborted request that is a lie:
+decode would commit pages that were never (fully) written for it.
+"""
+
+H_COVERAGE = """\
+sglang-harden backport: coverage check (prefill publishes what it sent; decode verifies before commit)
+
+What: on the last chunk prefill writes into cached_tokens slot 15 of the request's metadata (spare in
+this release; slots 0-6 are used) the number of prompt tokens whose KV its transfer covers (end of the
+last sent range, decode's cached prefix included), tagged 0x5A in the top byte so an unwritten slot
+(0) reads as "not published". Decode, in _commit_transfer_to_req after the existing bootstrap-room
+check (which already binds the metadata row to this request), aborts the request with 500 unless that
+count equals the prompt length it reserved pages for.
+
+Why: nothing else checks that the KV decode is about to read was written for this request. A one-token
+stub, --allow-auto-truncate, or any short send would otherwise be decoded over stale pages.
+Both sides must carry this patch: a decode with it refuses transfers from a prefill without it.
+During a rolling upgrade set SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED=1 on decode to accept transfers
+that carry no count (mismatching counts are always refused).
+"""
+
+H_NOTIFY = """\
+sglang-harden backport: tell decode promptly when prefill rejects a request
+
+What: a new module sglang/srt/disaggregation/common/pd_rejections.py, used in four places:
+- the bootstrap server (prefill's, which decode already queries for /route) gains PUT/GET
+  /pd_rejections, a bounded, expiring board of rejected bootstrap rooms with status and message;
+- prefill posts a room there when it retires a rejected or aborted request at its door or before
+  the final send (background thread; the scheduler never waits on HTTP);
+- decode's KV manager polls that route (default every 0.25 s, SGLANG_PD_REJECTION_POLL_INTERVAL,
+  0 = off) for the rooms it still waits on and marks a hit Failed in its own status table, so the
+  request leaves through SGLang's ordinary transfer-failure path and its pages are released;
+- decode's failure paths answer with prefill's own status and message (e.g. 400 "Input length ...
+  exceeds the maximum allowed length") instead of a generic 500.
+
+Why: a request rejected at prefill never gets a KV sender, so no transfer backend ever tells decode.
+Decode holds the reserved pages and waits SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s), then 500s;
+through a router the client never sees prefill's 400. The transfer backends' own failure messages
+were not used because the rejected room may have no transfer state at prefill yet and each backend
+has its own wire format with no room for a status or message; the bootstrap server is common to all
+backends. Like /route, the new route is unauthenticated: keep the bootstrap port on the cluster network.
+"""
+
+H_CAPACITY = """\
+sglang-harden backport: capacity gate (refuse to start when the KV pool cannot hold the context)
+
+What: at scheduler start-up, after the pool is sized, if the pool holds fewer tokens than the
+configured context length the scheduler refuses to start with both numbers and the flags that fix
+it. SGLANG_HARDEN_CAPACITY=log starts anyway with a warning (off: silently).
+
+Why: SGLang then advertises a context it cannot serve; its real limit (max_req_input_len) is derived
+from the pool. In PD serving the two sides differ, so a prompt passes one side and is stubbed on the
+other - the precondition of the KV leak the other patches close.
+"""
+
+PREFILL_DOOR_METHOD = '''
+    def retire_rejected(self, req: Req) -> None:
+        """Answer a request rejected before admission with its original error (sglang-harden backport)."""
+        reason = req.to_finish if isinstance(req.to_finish, FINISH_ABORT) else req.finished_reason
+        prepare_abort(req, reason.message, status_code=reason.status_code)
+        req.finished_reason, req.to_finish = reason, None
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+'''
+
+DECODE_DOOR_METHOD = '''    def _retire_rejected(self, req: Req) -> None:
+        """Answer a request rejected before admission with its original error (sglang-harden backport)."""
+        reason = req.to_finish if isinstance(req.to_finish, FINISH_ABORT) else req.finished_reason
+        prepare_abort(req, reason.message, status_code=reason.status_code)
+        req.finished_reason, req.to_finish = reason, None
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+
+'''
+
+DECODE_DOOR_CHECK = '''        if (
+            not is_retracted
+            and not is_rebootstrap
+            and (
+                isinstance(req.to_finish, FINISH_ABORT)
+                or isinstance(req.finished_reason, FINISH_ABORT)
+            )
+        ):
+            # sglang-harden backport: a request SGLang already rejected gets no receiver and no KV.
+            self._retire_rejected(req)
+            return
+'''
+
+COVERAGE_UTILS = '''
+
+# sglang-harden backport: cached_tokens slot 15 (spare) carries how many prompt tokens of KV prefill sent,
+# tagged so that an unwritten slot (0) or a small upstream value never reads as a count.
+COVERAGE_SLOT = 15
+_COVERAGE_TAG = 0x5A << 24
+_COVERAGE_MASK = (1 << 24) - 1
+
+
+def encode_coverage(tokens: int) -> int:
+    if not 0 <= tokens <= _COVERAGE_MASK:
+        raise ValueError(f"coverage {tokens} does not fit 24 bits")
+    return _COVERAGE_TAG | tokens
+
+
+def decode_coverage(value: int) -> Optional[int]:
+    return value & _COVERAGE_MASK if value & ~_COVERAGE_MASK == _COVERAGE_TAG else None
+'''
+
+COVERAGE_PUBLISH = '''            # sglang-harden backport: publish how many prompt tokens this transfer covers.
+            self.disagg_metadata_buffers.cached_tokens[req.metadata_buffer_index][
+                COVERAGE_SLOT
+            ] = encode_coverage(end_idx)
+'''
+
+COVERAGE_CHECK_CALL = '''        if not _is_fake_transfer(decode_req.req) and not self._transfer_covers_prompt(
+            decode_req, cached_tokens
+        ):
+            return
+
+'''
+
+COVERAGE_CHECK_METHOD = '''    def _transfer_covers_prompt(self, decode_req: DecodeRequest, cached_tokens) -> bool:
+        """sglang-harden backport: commit only if prefill sent KV for every token decode reserved."""
+        sent = decode_coverage(int(cached_tokens[COVERAGE_SLOT].item()))
+        reserved = len(decode_req.req.origin_input_ids)
+        if sent == reserved:
+            return True
+        if sent is None and os.environ.get("SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED") == "1":
+            return True
+        message = (
+            f"KV coverage mismatch for request {decode_req.req.rid}: decode reserved {reserved} "
+            f"tokens, prefill sent {'an unknown number of' if sent is None else sent} tokens; "
+            "refusing to decode over pages this request's transfer did not write"
+        )
+        logger.error(message)
+        prepare_abort(
+            decode_req.req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR
+        )
+        decode_req.kv_receiver.clear()
+        decode_req.kv_receiver = None
+        return False
+
+'''
+
+CAPACITY_METHOD = '''    def _check_kv_pool_holds_context(self) -> None:
+        """sglang-harden backport: refuse to start when the KV pool cannot hold the context length."""
+        context_len = self.model_config.context_len
+        if self.max_total_num_tokens >= context_len:
+            return
+        mode = os.environ.get("SGLANG_HARDEN_CAPACITY", "enforce").strip().lower()
+        message = (
+            f"KV pool too small for the configured context: the pool holds "
+            f"{self.max_total_num_tokens} tokens, context_len={context_len}, so prompts over "
+            f"max_req_input_len={self.max_req_input_len} tokens are rejected although the server "
+            f"advertises {context_len}. Raise --max-total-tokens or --mem-fraction-static, or lower "
+            f"--context-length to {self.max_total_num_tokens}; SGLANG_HARDEN_CAPACITY=log starts anyway."
+        )
+        if mode == "off":
+            return
+        if mode == "log":
+            logger.warning(message)
+            return
+        raise RuntimeError(message)
+
+'''
+
+DECODE_NOTIFY_ABORT = '''                # sglang-harden backport: a room prefill rejected fails with prefill's own verdict.
+                error_message, status_code = pd_rejections.decode_abort(
+                    decode_req.kv_receiver,
+                    decode_req.req.bootstrap_room,
+                    error_message,
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                )
+                prepare_abort(decode_req.req, error_message, status_code=status_code)
+'''

@@ -1,0 +1,79 @@
+"""Regenerate patches/<pin>/ from the edit specs here, applied to a pristine unpacked wheel.
+
+    SGLANG_SRC=/tmp/src python3 patches/_source/gen.py 0.5.19     # needs $SGLANG_SRC/<pin>/sglang
+
+Each spec (spec_<pin>.py) lists patches as (name, header, [(file, anchor, replacement)]); an anchor must
+occur exactly once. The code blocks and headers shared by the pins live in common_text.py; the new module
+of the notification patch is pd_rejections.py. Do not edit the generated .patch files by hand.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/src"))
+OUT = HERE.parent
+
+
+def apply_edit(root: Path, rel: str, old: str | None, new: str) -> None:
+    path = root / rel
+    if old is None:  # new file
+        path.write_text(new)
+        return
+    text = path.read_text()
+    n = text.count(old)
+    if n != 1:
+        raise SystemExit(f"{rel}: anchor found {n} times:\n{old}")
+    path.write_text(text.replace(old, new, 1))
+
+
+def diff_file(before: Path, after: Path, rel: str) -> str:
+    a = before.read_text().splitlines(keepends=True) if before.exists() else []
+    b = after.read_text().splitlines(keepends=True)
+    fa = f"a/{rel}" if before.exists() else "/dev/null"
+    out = "".join(difflib.unified_diff(a, b, fa, f"b/{rel}", n=3))
+    if b and not b[-1].endswith("\n"):
+        raise SystemExit(f"{rel}: no final newline")
+    return out
+
+
+def main(pin: str) -> None:
+    spec = importlib.import_module("spec_" + pin.replace(".", "_"))
+    work = Path(tempfile.mkdtemp(prefix=f"sglang-harden-gen-{pin}-"))
+    shutil.rmtree(work, ignore_errors=True)
+    cur = work / "cur"
+    shutil.copytree(SRC / pin / "sglang", cur / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
+    out = OUT / pin
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    series = []
+    for idx, (name, header, edits) in enumerate(spec.PATCHES, start=1):
+        prev = work / f"prev{idx}"
+        touched = sorted({rel for rel, _, _ in edits})
+        prev.mkdir()
+        for rel in touched:
+            if (cur / rel).exists():
+                (prev / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(cur / rel, prev / rel)
+        for rel, old, new in edits:
+            apply_edit(cur, rel, old, new)
+        body = "".join(diff_file(prev / rel, cur / rel, rel) for rel in touched)
+        fname = f"{idx:04d}-{name}.patch"
+        (out / fname).write_text(header.strip() + "\n\n" + body)
+        series.append(fname)
+    (out / "series").write_text(
+        f"# sglang-harden backport series for SGLang {pin}; apply in order with patch -p1\n"
+        f"# in the directory that contains sglang/ (or: sglang-harden patch apply --pin {pin} --tree DIR)\n"
+        + "\n".join(series) + "\n")
+    print("wrote", out, series)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main(sys.argv[1])
