@@ -28,6 +28,7 @@ Role = Literal["prefill", "decode", "mixed"]
 READY_LINE = "fired up and ready to roll"
 VANILLA_LAUNCHER = "sglang.launch_server"
 HARDENED_LAUNCHER = "sglang_harden.launch_server"
+ACTIVATE_ENV = "SGLANG_HARDEN_ACTIVATE"
 
 
 class ServerError(RuntimeError):
@@ -168,7 +169,12 @@ class Server(_Process):
         return cmd + self.extra_flags
 
     def environment(self) -> dict[str, str]:
-        return testbed_env(self.recipe, self.extra_env)
+        """The pin's CPU env + shims + extra env. sglang-harden is installed in every pin venv and SGLang's
+        plugin loader would arm it: a vanilla launch gets ``SGLANG_HARDEN_ACTIVATE=0`` unless given."""
+        extra = dict(self.extra_env)
+        if self.launcher_module == VANILLA_LAUNCHER:
+            extra.setdefault(ACTIVATE_ENV, "0")
+        return testbed_env(self.recipe, extra)
 
     def start(self) -> Server:
         """Launch without waiting (see ``wait_ready``)."""

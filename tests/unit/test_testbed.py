@@ -1,0 +1,187 @@
+"""The testbed's own pieces that need no SGLang: pins.toml, process groups, shims, scenario oracles, demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_harden.testbed import envs, procs
+from sglang_harden.testbed.client import GenResult, PairResult, _parse
+from sglang_harden.testbed.incident import (
+    IncidentSetup,
+    RoundResult,
+    black_box,
+    tenant_a_prompt,
+    tenant_b_prompt,
+    verdict,
+)
+from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.tools import demo
+
+REQUIRED_PINS = {"0.4.9.post6", "0.5.19", "0.5.20", "0.5.21", "0.5.23"}
+
+
+def test_pins_file_lists_supported_pins_with_recipes() -> None:
+    recipes = envs.load_pins()
+    assert REQUIRED_PINS <= set(recipes)
+    for pin, recipe in recipes.items():
+        assert recipe.sglang == pin
+        assert recipe.torch_requirement.endswith("+cpu"), "the constraint must keep CUDA torch out"
+        assert any(d.startswith("transformers==") for d in recipe.deps)
+        assert "mooncake" in recipe.transfer_backends
+        assert recipe.incident in {"leak", "reject_and_hold"}
+    assert "nixl" in recipes["0.5.23"].transfer_backends
+    assert {"0.5.19", "0.5.23"} <= set(envs.ci_pins())
+    assert envs.all_pins()[:2] == ["0.5.19", "0.5.23"]
+
+
+def test_recipe_hash_changes_only_with_build_inputs() -> None:
+    recipe = envs.load_pins()["0.5.19"]
+    same = envs.PinRecipe(**{**recipe.__dict__, "shims": ("other",), "decode_flags": ()})
+    changed = envs.PinRecipe(**{**recipe.__dict__, "deps": (*recipe.deps, "extra==1")})
+    assert same.build_hash() == recipe.build_hash()
+    assert changed.build_hash() != recipe.build_hash()
+
+
+def test_select_pins() -> None:
+    assert envs.select_pins([]) == envs.ci_pins()
+    assert envs.select_pins(["--all"]) == envs.all_pins()
+    assert envs.select_pins(["0.5.21"]) == ["0.5.21"]
+
+
+def test_missing_env_error_names_the_build_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_HARDEN_HOME", str(tmp_path))
+    with pytest.raises(envs.EnvError, match="scripts/setup_envs.sh 0.5.19"):
+        envs.require_env("0.5.19")
+    with pytest.raises(envs.EnvError, match="unknown pin"):
+        envs.get_recipe("9.9.9")
+
+
+def test_no_cpu_torch_wheel_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SGLANG_HARDEN_TORCH_WHEEL", raising=False)
+    recipe = envs.PinRecipe(**{**envs.load_pins()["0.5.19"].__dict__, "torch_find_links": (str(tmp_path),)})
+    with pytest.raises(envs.EnvError, match="CUDA build"):
+        envs.find_cpu_torch_wheel(recipe)
+
+
+def test_disk_check(tmp_path: Path) -> None:
+    with pytest.raises(envs.EnvError, match="not enough disk"):
+        envs._check_disk(tmp_path, 1e9)
+
+
+def test_package_hash_tracks_sources(tmp_path: Path) -> None:
+    (tmp_path / "sglang_harden").mkdir()
+    (tmp_path / "pyproject.toml").write_text("x")
+    (tmp_path / "sglang_harden" / "a.py").write_text("1")
+    first = envs.package_sources_hash(tmp_path)
+    (tmp_path / "sglang_harden" / "a.py").write_text("2")
+    assert envs.package_sources_hash(tmp_path) != first
+
+
+def test_spawn_and_kill_exactly_the_group(tmp_path: Path) -> None:
+    script = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    proc = procs.spawn([sys.executable, "-c", script], dict(os.environ), tmp_path / "x.log")
+    time.sleep(0.5)
+    assert procs.group_alive(proc.pid)
+    assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
+    assert proc.pid in procs.started_groups()
+    assert procs.kill_groups([proc.pid], term_timeout=5) == []
+    assert not procs.group_alive(proc.pid)  # the grandchild 'sleep' went with its group
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = {procs.free_port(span=3) for _ in range(5)}
+    assert len(ports) == 5
+
+
+def _run_with_shims(code: str, shims: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{SHIMS_DIR}{os.pathsep}{Path(__file__).resolve().parents[2]}",
+           "SGLANG_HARDEN_TESTBED_SHIMS": shims}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
+
+
+def test_stub_modules_expose_exactly_their_names() -> None:
+    code = """
+        from sgl_kernel import assign_req_to_token_pool_cpu
+        try:
+            from sgl_kernel import something_else
+        except ImportError:
+            print("import-error")
+        try:
+            assign_req_to_token_pool_cpu()
+        except NotImplementedError:
+            print("stub-raises")
+        from sgl_kernel.kvcacheio import transfer_kv_per_layer
+        from vllm._custom_ops import scaled_fp8_quant
+        try:
+            import vllm.model_executor
+        except ImportError:
+            print("no-real-vllm")
+    """
+    out = _run_with_shims(code, "sgl_kernel_cpu_stub,sgl_kernel_kvcacheio_stub,vllm_custom_ops_stub")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["import-error", "stub-raises", "no-real-vllm"]
+
+
+def test_unknown_shim_fails_loudly() -> None:
+    out = _run_with_shims("print('ran')", "no_such_shim")
+    assert "unknown testbed shim" in out.stderr
+
+
+def _gen(status: int, ids: list[int] | None = None, elapsed: float = 0.1, err: str = "") -> GenResult:
+    body = {"error": {"message": err}} if err else {}
+    return GenResult(status=status, body=body, elapsed_s=elapsed, output_ids=ids,
+                     logprobs=[-1.0] * len(ids or []))
+
+
+def _round(i: int, seed: int, ids: list[int] | None, pages: int, b_status: int = 200) -> RoundResult:
+    a = PairResult(_gen(200, [1]), _gen(200, [1]), room=1)
+    b = PairResult(_gen(200, [0]), _gen(b_status, ids), room=2)
+    return RoundResult(index=i, a_seed=seed, a_rid=f"A{i}", b_rid=f"B{i}", a=a, b=b, b_rows=300,
+                       a_rows_read_by_b=pages)
+
+
+def test_oracles_on_a_leak() -> None:
+    rounds = [_round(1, 1, [5, 6], 208), _round(2, 2, [7, 8], 208), _round(3, 1, [5, 6], 208)]
+    bb = black_box(rounds)
+    assert bb == {**bb, "repeatable": True, "depends_on_a": True, "distinct_b_outputs": 2}
+    assert verdict(rounds, bb, IncidentSetup()) == "LEAK"
+
+
+def test_oracles_on_reject_and_hold() -> None:
+    a = PairResult(_gen(200, [1]), _gen(200, [1]), room=1)
+    b = PairResult(_gen(400, err="Input length (300 tokens) exceeds"), _gen(500, elapsed=21.0), room=2)
+    rounds = [RoundResult(index=1, a_seed=1, a_rid="A1", b_rid="B1", a=a, b=b)]
+    bb = black_box(rounds)
+    assert not bb["depends_on_a"] and bb["b_completed_rounds"] == 0
+    assert verdict(rounds, bb, IncidentSetup(waiting_timeout_s=20)).startswith("rejected; decode held")
+
+
+def test_prompts_are_deterministic_and_distinct() -> None:
+    assert tenant_a_prompt(1, 200) == tenant_a_prompt(1, 200) != tenant_a_prompt(2, 200)
+    assert len(tenant_b_prompt(300)) == 300 and min(tenant_b_prompt(300)) >= 3
+
+
+def test_parse_generate_answer() -> None:
+    body = {"text": "x", "output_ids": [4, 5],
+            "meta_info": {"prompt_tokens": 3, "output_token_logprobs": [[-0.5, 4, None], [-0.25, 5, None]]}}
+    res = _parse(200, body, 0.2)
+    assert res.output_ids == [4, 5] and res.logprobs == [-0.5, -0.25] and res.meta["prompt_tokens"] == 3
+
+
+def test_demo_table_and_variant_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = {"b_status": 200, "b_prefill_status": 200, "b_output_short": "1 2 3", "pages_of_a_read_by_b": 208,
+            "verdict": "LEAK"}
+    monkeypatch.setattr(demo, "VARIANTS", {"vanilla": lambda pin: {**fake, "pin": pin}})
+    demo.add_variant("hardened", lambda pin: {**fake, "b_status": 400, "pages_of_a_read_by_b": 0,
+                                              "verdict": "rejected"})
+    report = demo.collect(["0.5.19"])
+    assert set(report["pins"]["0.5.19"]) == {"vanilla", "hardened"}
+    table = demo.render_table(report)
+    assert "LEAK" in table and "208" in table and "hardened" in table
