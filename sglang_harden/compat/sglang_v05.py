@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import notify
+from sglang_harden.compat import lifecycle_v05, notify
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode
@@ -283,6 +283,7 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
         "max_req_input_len": int(scheduler.max_req_input_len),
         "context_len": int(scheduler.model_config.context_len),
         "decisions": events.snapshot(),
+        "lifecycle": lifecycle_v05.node_report(),
     }
 
 
@@ -360,6 +361,7 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), _peer_status_abort),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), _report_state),
+    *lifecycle_v05.HOOKS,
 ]
 
 # Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).
@@ -369,6 +371,7 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
     "coverage": {"prefill", "decode"},
     "abort_notify": {"decode"},
     "startup": {"prefill", "decode", "null"},
+    **lifecycle_v05.ROLES,
 }
 
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: _tokenizer_learns_limit}

@@ -85,6 +85,15 @@ class PageLedger:
     def quarantined_count(self) -> int:
         return self._quarantined
 
+    def state_column(self) -> array:
+        """The page-state column itself (read it, never write it): lets a host scan many pages at once, e.g.
+        ``numpy.frombuffer(ledger.state_column(), dtype=numpy.int8)``. Values are :class:`PageState`."""
+        return self._state
+
+    def quarantined_owners(self) -> list[str]:
+        """Owners that still have pages in quarantine."""
+        return [self._owner_names[o] for o in self._quarantine]
+
     def quarantined_pages(self, owner: str) -> list[int]:
         owner_id = self._owner_ids.get(owner)
         return list(self._quarantine.get(owner_id, ())) if owner_id is not None else []

@@ -1,0 +1,641 @@
+"""Page lifecycle and page ownership tags on SGLang 0.5.19 … 0.5.23 (Mooncake transfer backend).
+
+The per-node :class:`~sglang_harden.guards.lifecycle.PageLedger` is fed from SGLang's own choke points:
+
+decode
+  * ``MooncakeKVReceiver.send_metadata(kv_indices, …)``: the request's destination pages leave this node
+    -> ``reserve`` + ``begin_write`` (owner ``room:<bootstrap_room>``);
+  * ``DecodeTransferQueue._commit_transfer_to_req``: the transfer reported Success on every rank ->
+    ``finish_write``, then the page-tag check of the request's page table (abort, never generate);
+  * the allocator's free (``TokenToKVPoolAllocator.free``, ``PagedTokenToKVPoolAllocator._release_page_ids``):
+    every page SGLang frees passes the ledger; a page a writer may still write is kept back (quarantine)
+    unless the writer confirmed it drained;
+  * ``CommonKVManager.note_abort_ack`` (prefill's drain acknowledgement) and ``_handle_node_failure``
+    (the sender is gone): the only ways out of quarantine, applied on the scheduler thread at the next
+    ``pop_transferred``;
+  * ``DecodePreallocQueue.add``: at the quarantine cap new PD requests get HTTP 503.
+
+prefill
+  * ``MooncakeKVManager.add_transfer_request``: the chunk's source pages are held for its room;
+  * the allocator's free keeps held pages back until the room settled (no chunk dequeued or in flight, and
+    the room concluded or gone); ``process_disagg_prefill_inflight_queue`` releases settled rooms.
+
+Both roles: ``Scheduler.__init__`` makes prefill send drain acknowledgements
+(``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``) and bounds each Mooncake transfer batch to
+``transfer_window_pages`` pages (``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES`` where the pin has it, else
+``send_kvcache`` is split here). All decisions come from ``guards.lifecycle`` and ``guards.page_tags``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sglang_harden import events
+from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.runtime import RUNTIME
+from sglang_harden.config import Mode
+from sglang_harden.guards import lifecycle, page_tags
+from sglang_harden.guards.base import Decision, Verdict, allow
+from sglang_harden.guards.lifecycle import LedgerError, PageLedger, PageState
+
+logger = logging.getLogger("sglang_harden")
+
+Func = Callable[..., Any]
+
+DECODE = "sglang.srt.disaggregation.decode"
+PREFILL = "sglang.srt.disaggregation.prefill"
+CONN = "sglang.srt.disaggregation.common.conn"
+MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+SCHEDULER = "sglang.srt.managers.scheduler"
+ALLOC_TOKEN = "sglang.srt.mem_cache.allocator.token"
+ALLOC_PAGED = "sglang.srt.mem_cache.allocator.paged"
+
+DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+WINDOW_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
+GAUGE_NAME = "sglang_harden_quarantined_pages"
+FREE = int(PageState.FREE)
+QUARANTINED = int(PageState.QUARANTINED)
+
+
+def owner_of_room(room: int) -> str:
+    return f"room:{int(room)}"
+
+
+# ---------------------------------------------------------------- evidence: quarantine gauge
+
+
+_gauge: Any = None
+_gauge_failed = False
+
+
+def _set_gauge(value: int) -> None:
+    global _gauge, _gauge_failed
+    if _gauge is None and not _gauge_failed:
+        try:
+            from prometheus_client import Gauge
+
+            _gauge = Gauge(GAUGE_NAME, "KV pages held back until their writer drains", multiprocess_mode="livesum")
+        except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a request
+            _gauge_failed = True
+    if _gauge is not None:
+        _gauge.set(value)
+
+
+# ---------------------------------------------------------------- decode node
+
+
+@dataclass
+class Transfer:
+    """One request's transfer into this node: whose pages, which reservation, which writers must ack."""
+
+    owner: str
+    room: int
+    addr: str
+    required_acks: int
+    generation: int
+    pages: list[int]
+    receiver: Any = None
+
+
+@dataclass
+class DecodeNode:
+    """Ledger of one decode scheduler process plus the drain evidence that arrives on other threads."""
+
+    allocator: Any
+    page_size: int
+    cap: int
+    ledger: PageLedger
+    transfers: dict[str, Transfer] = field(default_factory=dict)
+    _acks: dict[int, set[int]] = field(default_factory=dict)
+    _gone: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def for_allocator(cls, allocator: Any, cap: int) -> DecodeNode:
+        page_size = int(getattr(allocator, "page_size", 1) or 1)
+        num_pages = int(allocator.size) // page_size + 2
+        return cls(allocator, page_size, cap, PageLedger(num_pages))
+
+    @property
+    def states(self) -> np.ndarray:
+        return np.frombuffer(self.ledger.state_column(), dtype=np.int8)
+
+    # ---- transfer path (scheduler thread)
+    def begin(self, room: int, addr: str, required_acks: int, pages: Sequence[int], receiver: Any) -> Decision:
+        owner = owner_of_room(room)
+        try:
+            generation = self.ledger.reserve(owner, pages)
+        except LedgerError as exc:
+            return Decision(lifecycle.GUARD, Verdict.ABORT, f"destination page not free: {exc}", 500,
+                            {"room": room})
+        self.ledger.begin_write(owner, pages)
+        self.transfers[owner] = Transfer(owner, room, addr, required_acks, generation, list(pages), receiver)
+        return allow(lifecycle.GUARD, room=room, pages=len(pages))
+
+    def finish(self, room: int) -> Transfer | None:
+        transfer = self.transfers.get(owner_of_room(room))
+        if transfer is not None:
+            self.ledger.finish_write(transfer.owner, transfer.pages)
+        return transfer
+
+    # ---- drain evidence (any thread)
+    def note_ack(self, room: int, rank: int) -> None:
+        with self._lock:
+            self._acks.setdefault(int(room), set()).add(int(rank))
+
+    def note_gone(self, addr: str) -> None:
+        with self._lock:
+            self._gone.add(addr)
+
+    def drained(self, owner: str) -> bool:
+        transfer = self.transfers.get(owner)
+        if transfer is None:
+            return False
+        with self._lock:
+            acks = len(self._acks.get(transfer.room, ()))
+            gone = transfer.addr in self._gone
+        return gone or (transfer.required_acks > 0 and acks >= transfer.required_acks)
+
+    # ---- free path (scheduler thread)
+    def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
+        """Mask of ``pages`` that must not reach the free list (None: free them all)."""
+        states = self.states[pages]
+        tracked = np.flatnonzero(states != FREE)
+        if tracked.size == 0:
+            return None
+        by_owner: dict[str | None, list[int]] = {}
+        for page in pages[tracked].tolist():
+            by_owner.setdefault(self.ledger.owner(page), []).append(page)
+        for owner, owned in by_owner.items():
+            if owner is not None:
+                self._release(owner, owned, mode)
+        held = self.states[pages] == QUARANTINED
+        return held if held.any() else None
+
+    def _release(self, owner: str, pages: list[int], mode: Mode) -> None:
+        drained = self.drained(owner)
+        if mode is not Mode.ENFORCE and not drained:
+            self._record_quarantine(owner, pages, mode)
+            drained = True
+        outcome = self.ledger.release(owner, pages, writer_drained=drained)
+        if outcome.to_quarantine:
+            self._record_quarantine(owner, outcome.to_quarantine, mode)
+            self._ask_for_drain_ack(owner)
+        elif self._all_free(owner):
+            self._forget(owner)
+
+    def _all_free(self, owner: str) -> bool:
+        transfer = self.transfers.get(owner)
+        if transfer is None:
+            return False
+        pages = np.asarray(transfer.pages, dtype=np.int64)
+        return bool((self.states[pages] == FREE).all())
+
+    def _record_quarantine(self, owner: str, pages: list[int], mode: Mode) -> None:
+        transfer = self.transfers.get(owner)
+        reason = (f"{len(pages)} KV pages of {owner} released while its transfer may still write them; "
+                  "held in quarantine until the writer drains")
+        decision = Decision(lifecycle.GUARD, Verdict.QUARANTINE, reason, None,
+                            {"owner": owner, "pages": len(pages), "quarantined_total": self.ledger.quarantined_count(),
+                             "addr": transfer.addr if transfer else None})
+        events.record(decision, mode)
+        _set_gauge(self.ledger.quarantined_count())
+
+    def _ask_for_drain_ack(self, owner: str) -> None:
+        """Prefill acknowledges a drained room only after an ABORT from us: make sure one went out."""
+        transfer = self.transfers.get(owner)
+        receiver = transfer.receiver if transfer else None
+        if receiver is None or getattr(receiver, "abort_notified", True):
+            return
+        try:
+            ensure = getattr(receiver, "ensure_abort_notified", None)
+            if ensure is not None:
+                ensure(force_arm=True)
+            elif getattr(receiver, "bootstrap_infos", None):
+                receiver._send_abort_notification()
+                receiver.abort_notified = True
+        except Exception as exc:  # noqa: BLE001 - best effort: without an ack the pages stay quarantined
+            logger.warning("sglang-harden lifecycle: could not ask prefill to ack room %s: %r", transfer.room, exc)
+
+    def _forget(self, owner: str) -> None:
+        transfer = self.transfers.pop(owner, None)
+        if transfer is not None:
+            with self._lock:
+                self._acks.pop(transfer.room, None)
+
+    # ---- leaving quarantine (scheduler thread)
+    def confirmations(self) -> list[int]:
+        """Pages whose writer drained or is gone since the last call: they may go to the free list now."""
+        if self.ledger.quarantined_count() == 0:
+            return []
+        freed: list[int] = []
+        for owner in self.ledger.quarantined_owners():
+            if self.drained(owner):
+                pages = self.ledger.confirm_drained(owner)
+                freed.extend(pages)
+                decision = Decision(lifecycle.GUARD, Verdict.RELEASE, "writer drained", None,
+                                    {"owner": owner, "pages": len(pages)})
+                events.record(decision, Mode.ENFORCE)
+                self._forget(owner)
+        if freed:
+            _set_gauge(self.ledger.quarantined_count())
+        return freed
+
+    def report(self) -> dict[str, Any]:
+        cap = self.cap if self.cap > 0 else lifecycle.default_quarantine_cap(self.ledger.num_pages)
+        return {
+            "role": "decode",
+            "page_size": self.page_size,
+            "quarantined_pages": self.ledger.quarantined_count(),
+            "quarantine_cap_pages": cap,
+            "admission_open": self.ledger.quarantined_count() < cap,
+            "tracked_transfers": len(self.transfers),
+            "pages_not_free_in_ledger": int(np.count_nonzero(self.states != FREE)),
+        }
+
+
+# ---------------------------------------------------------------- prefill node
+
+
+@dataclass
+class PrefillNode:
+    """Source pages of transfers that have not settled yet, on one prefill scheduler process."""
+
+    allocator: Any
+    page_size: int
+    ledger: PageLedger
+    held_room: np.ndarray
+    kv_mgr: Any = None
+    pending: dict[int, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def for_allocator(cls, allocator: Any) -> PrefillNode:
+        page_size = int(getattr(allocator, "page_size", 1) or 1)
+        num_pages = int(allocator.size) // page_size + 2
+        return cls(allocator, page_size, PageLedger(num_pages), np.zeros(num_pages, dtype=np.int64))
+
+    def hold(self, kv_mgr: Any, room: int, pages: Sequence[int]) -> None:
+        self.kv_mgr = kv_mgr
+        self.ledger.hold_source(owner_of_room(room), pages)
+        self.held_room[np.asarray(pages, dtype=np.int64)] = int(room)
+
+    def settled(self, room: int) -> bool:
+        mgr = self.kv_mgr
+        if mgr is None:
+            return True
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if getattr(mgr, "_staging_outstanding", {}).get(room, 0) > 0:
+            return False
+        status = mgr.request_status.get(room)
+        return status is None or status in (KVPoll.Success, KVPoll.Failed)
+
+    def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
+        rooms = self.held_room[pages]
+        if not rooms.any():
+            return None
+        keep = np.zeros(pages.shape, dtype=bool)
+        for room in np.unique(rooms[rooms != 0]).tolist():
+            mine = rooms == room
+            if self.settled(room):
+                self._settle(room)
+                continue
+            decision = Decision(lifecycle.GUARD, Verdict.QUARANTINE,
+                                f"source pages of room {room} freed before its transfer settled; held", None,
+                                {"room": room, "pages": int(mine.sum())})
+            if events.record(decision, mode):
+                keep |= mine
+                self.pending.setdefault(room, []).extend(pages[mine].tolist())
+        return keep if keep.any() else None
+
+    def _settle(self, room: int) -> None:
+        pages = self.ledger.settle_source(owner_of_room(room))
+        if pages:
+            idx = np.asarray(pages, dtype=np.int64)
+            self.held_room[idx[self.held_room[idx] == room]] = 0
+
+    def settle_pending(self) -> list[int]:
+        freed: list[int] = []
+        for room in [r for r in self.pending if self.settled(r)]:
+            freed.extend(self.pending.pop(room))
+            self._settle(room)
+        return freed
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "role": "prefill",
+            "page_size": self.page_size,
+            "source_pages_held_back": sum(len(p) for p in self.pending.values()),
+            "rooms_unsettled": len(self.pending),
+        }
+
+
+NODE: DecodeNode | PrefillNode | None = None
+
+
+def node_report() -> dict[str, Any] | None:
+    return NODE.report() if NODE is not None else None
+
+
+# ---------------------------------------------------------------- allocator hooks (both roles)
+
+
+def _pages_of(free_index: Any, page_size: int) -> np.ndarray:
+    raw = free_index.detach()
+    arr = (raw.numpy() if raw.device.type == "cpu" else raw.cpu().numpy()).astype(np.int64, copy=False)
+    return arr // page_size if page_size > 1 else arr
+
+
+def _filter(node: DecodeNode | PrefillNode, pages: np.ndarray) -> np.ndarray | None:
+    mode = RUNTIME.config.lifecycle
+    return node.keep_back(pages, mode)
+
+
+def _token_free(original: Func) -> Func:
+    def free(self: Any, free_index: Any) -> Any:
+        node = NODE
+        if node is None or self is not node.allocator or free_index.numel() == 0:
+            return original(self, free_index)
+        keep = _filter(node, _pages_of(free_index, 1))
+        if keep is None:
+            return original(self, free_index)
+        import torch
+
+        passed = free_index[torch.from_numpy(~keep).to(free_index.device)]
+        return original(self, passed)
+
+    return free
+
+
+def _paged_release(original: Func) -> Func:
+    def release_page_ids(self: Any, *page_ids: Any) -> Any:
+        node = NODE
+        if node is None or self is not node.allocator:
+            return original(self, *page_ids)
+        import torch
+
+        passed = []
+        for ids in page_ids:
+            keep = _filter(node, _pages_of(ids, 1)) if ids.numel() else None
+            passed.append(ids if keep is None else ids[torch.from_numpy(~keep).to(ids.device)])
+        return original(self, *passed)
+
+    return release_page_ids
+
+
+def _free_now(node: DecodeNode | PrefillNode, pages: list[int]) -> None:
+    if not pages:
+        return
+    import torch
+
+    allocator = node.allocator
+    index = torch.tensor(pages, dtype=torch.int64, device=allocator.device)
+    if node.page_size == 1:
+        allocator.free(index)
+    else:
+        allocator._release_page_ids(index)
+
+
+# ---------------------------------------------------------------- start-up (both roles)
+
+
+def _scheduler_init(original: Func) -> Func:
+    def init(self: Any, server_args: Any, port_args: Any, *args: Any, **kwargs: Any) -> Any:
+        _process_env(str(getattr(server_args, "disaggregation_mode", "null")))
+        result = original(self, server_args, port_args, *args, **kwargs)
+        _make_node(self)
+        return result
+
+    return init
+
+
+def _process_env(mode: str) -> None:
+    """Drain acks from prefill, bounded transfer batches: both read from the environment by SGLang."""
+    if mode == "null":
+        return
+    if os.environ.get(DEFERRED_ENV, "").lower() in ("0", "false"):
+        logger.warning("sglang-harden lifecycle: %s=0 overridden: prefill must acknowledge drains", DEFERRED_ENV)
+    os.environ[DEFERRED_ENV] = "1"
+    window = RUNTIME.config.transfer_window_pages
+    if window > 0 and os.environ.get(WINDOW_ENV, "0") in ("", "0"):
+        os.environ[WINDOW_ENV] = str(window)
+
+
+def _make_node(scheduler: Any) -> None:
+    global NODE
+    from sglang_harden.compat.sglang_v05 import role_of
+
+    role = role_of(scheduler)
+    allocator = scheduler.token_to_kv_pool_allocator
+    if role == "decode":
+        NODE = DecodeNode.for_allocator(allocator, RUNTIME.config.quarantine_cap_pages)
+    elif role == "prefill":
+        NODE = PrefillNode.for_allocator(allocator)
+    if NODE is not None:
+        logger.warning("sglang-harden lifecycle: %s ledger over %s pages (page size %s), window %s pages",
+                       role, NODE.ledger.num_pages, NODE.page_size, RUNTIME.config.transfer_window_pages)
+
+
+# ---------------------------------------------------------------- decode transfer path
+
+
+def _send_metadata(original: Func) -> Func:
+    def send_metadata(self: Any, kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if not isinstance(node, DecodeNode) or self.bootstrap_room is None:
+            return original(self, kv_indices, *args, **kwargs)
+        result = original(self, kv_indices, *args, **kwargs)
+        if getattr(self, "bootstrap_infos", None) is None:
+            return result  # nothing was published: no writer for these pages
+        pages = np.unique(np.asarray(kv_indices, dtype=np.int64)).tolist()
+        decision = node.begin(int(self.bootstrap_room), str(self.bootstrap_addr), len(self.bootstrap_infos),
+                              pages, self)
+        if events.record(decision, RUNTIME.config.lifecycle, room=self.bootstrap_room):
+            self.kv_mgr.record_failure(self.bootstrap_room, decision.reason)
+            self.abort()
+        return result
+
+    return send_metadata
+
+
+def _commit_with_tags(original: Func) -> Func:
+    def commit(self: Any, decode_req: Any) -> Any:
+        node = NODE
+        req = decode_req.req
+        room = getattr(req, "bootstrap_room", None)
+        transfer = node.finish(int(room)) if isinstance(node, DecodeNode) and room is not None else None
+        result = original(self, decode_req)
+        if transfer is None or _aborted(req):
+            return result
+        decision = check_request_pages(node, self.scheduler, req, transfer)  # type: ignore[arg-type]
+        if events.record(decision, RUNTIME.config.page_tags, room=room, rid=req.rid):
+            from sglang.srt.disaggregation.utils import prepare_abort
+
+            prepare_abort(req, "sglang-harden page ownership check failed: " + decision.reason,
+                          status_code=decision.status_code or 500)
+        return result
+
+    return commit
+
+
+def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Transfer) -> Decision:
+    """Page tags over the request's page table (prompt rows), its own cached prefix allowed."""
+    pool_idx = _pool_idx(req)
+    length = len(req.origin_input_ids)
+    if pool_idx is None or length <= 0:
+        return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
+    rows = scheduler.req_to_token_pool.req_to_token[pool_idx, :length]
+    pages = np.unique(_pages_of(rows, node.page_size)).tolist()
+    prefix = getattr(req, "prefix_indices", None)
+    prefix_pages: list[int] = []
+    if prefix is not None and len(prefix) > 0:
+        prefix_pages = np.unique(_pages_of(prefix, node.page_size)).tolist()
+    return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation, pages, prefix_pages)
+
+
+def _pool_idx(req: Any) -> int | None:
+    kv = getattr(req, "kv", None)
+    idx = getattr(kv, "req_pool_idx", None) if kv is not None else None
+    return idx if idx is not None else getattr(req, "req_pool_idx", None)
+
+
+def _aborted(req: Any) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return reason is not None and type(reason).__name__ == "FINISH_ABORT"
+
+
+def _confirmations_first(original: Func) -> Func:
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, DecodeNode):
+            _free_now(node, node.confirmations())
+        return original(self, *args, **kwargs)
+
+    return pop_transferred
+
+
+def _note_ack(original: Func) -> Func:
+    def note_abort_ack(self: Any, bootstrap_room: int, prefill_rank: int, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, DecodeNode):
+            node.note_ack(bootstrap_room, prefill_rank)
+        return original(self, bootstrap_room, prefill_rank, *args, **kwargs)
+
+    return note_abort_ack
+
+
+def _note_gone(original: Func) -> Func:
+    def handle_node_failure(self: Any, failed_bootstrap_addr: str, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, DecodeNode):
+            node.note_gone(str(failed_bootstrap_addr))
+        return original(self, failed_bootstrap_addr, *args, **kwargs)
+
+    return handle_node_failure
+
+
+def _quarantine_door(original: Func) -> Func:
+    """At the quarantine cap a new PD request is refused with 503 instead of waiting on unsafe pages."""
+
+    def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        retracted = bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
+        if not isinstance(node, DecodeNode) or retracted:
+            return original(self, req, *args, **kwargs)
+        decision = node.ledger.admission_open(node.cap)
+        if events.record(decision, RUNTIME.config.lifecycle, room=getattr(req, "bootstrap_room", None)):
+            from sglang_harden.compat.sglang_v05 import _abort_and_stream
+
+            _abort_and_stream(self.scheduler, req, "sglang-harden: " + decision.reason, 503)
+            return None
+        return original(self, req, *args, **kwargs)
+
+    return add
+
+
+# ---------------------------------------------------------------- prefill source hold
+
+
+def _hold_sources(original: Func) -> Func:
+    def add_transfer_request(self: Any, bootstrap_room: int, kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, PrefillNode) and _will_enqueue(self, bootstrap_room):
+            pages = np.asarray(kv_indices, dtype=np.int64)
+            node.hold(self, int(bootstrap_room), pages.tolist())
+        return original(self, bootstrap_room, kv_indices, *args, **kwargs)
+
+    return add_transfer_request
+
+
+def _will_enqueue(mgr: Any, room: int) -> bool:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    status = mgr.request_status.get(room)
+    return status is not None and status != KVPoll.Failed and room in mgr.transfer_infos
+
+
+def _settle_after_inflight(original: Func) -> Func:
+    def process(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        node = NODE
+        if isinstance(node, PrefillNode) and node.pending:
+            _free_now(node, node.settle_pending())
+        return result
+
+    return process
+
+
+# ---------------------------------------------------------------- bounded transfer window (pins without the env)
+
+
+def _windowed_send(original: Func) -> Func:
+    def send_kvcache(self: Any, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
+                     dst_kv_indices: Any, executor: Any, *args: Any, **kwargs: Any) -> Any:
+        window = RUNTIME.config.transfer_window_pages
+        if window <= 0 or hasattr(self, "max_transfer_batch_indices") or len(prefill_kv_indices) <= window:
+            return original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                            executor, *args, **kwargs)
+        for start in range(0, len(prefill_kv_indices), window):
+            end = start + window
+            status = original(self, mooncake_session_id, prefill_kv_indices[start:end], dst_kv_ptrs,
+                              dst_kv_indices[start:end], executor, *args, **kwargs)
+            if status != 0:
+                return status
+        return 0
+
+    return send_kvcache
+
+
+# ---------------------------------------------------------------- the table (merged into sglang_v05.HOOKS)
+
+
+HOOKS: list[Hook] = [
+    Hook("lifecycle", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_init),
+    Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.free", ("self", "free_index"), _token_free),
+    Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self",), _paged_release),
+    Hook("lifecycle", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
+    Hook("lifecycle", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _confirmations_first),
+    Hook("lifecycle", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"), _quarantine_door),
+    Hook("lifecycle", CONN, "CommonKVManager.note_abort_ack", ("self", "bootstrap_room", "prefill_rank"),
+         _note_ack),
+    Hook("lifecycle", CONN, "CommonKVManager._handle_node_failure", ("self", "failed_bootstrap_addr"),
+         _note_gone),
+    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
+         _hold_sources),
+    Hook("lifecycle", PREFILL, "SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
+         ("self",), _settle_after_inflight),
+    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.send_kvcache",
+         ("self", "mooncake_session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor"),
+         _windowed_send),
+    Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
+         _commit_with_tags),
+]
+
+ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"}}

@@ -1,0 +1,238 @@
+"""Page lifecycle + page tags on real SGLang classes, in one process (no server): run under a pin venv.
+
+The allocator is SGLang's own ``TokenToKVPoolAllocator`` with the compat hooks installed by ``activate()``;
+the transfer path's wrappers (``send_metadata``, ``note_abort_ack``, ``pop_transferred``, the commit) are driven
+with small stand-ins for the Mooncake receiver/manager, because those need a live peer. Asserted:
+
+- vanilla: a page freed on abort while its transfer is in flight goes straight back to the free list and the
+  next request is handed it (the late write would land in that request's KV);
+- hardened: those pages are quarantined (not allocatable, visible, an ABORT asking for a drain ack goes out),
+  leave quarantine only on the drain ack or when the sender is known gone, and the pool is full at quiesce;
+- a completed transfer's pages free normally; at the quarantine cap the decode door answers 503;
+- page tags: a page table with a page owned by someone else is refused (the commit aborts the request).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from sglang_harden import events  # noqa: E402
+from sglang_harden.compat import activate, lifecycle_v05  # noqa: E402
+from sglang_harden.compat.lifecycle_v05 import DecodeNode, PrefillNode  # noqa: E402
+from sglang_harden.guards.base import Verdict  # noqa: E402
+from sglang_harden.guards.lifecycle import PageState  # noqa: E402
+
+POOL = 48
+ROOM_A, ROOM_B = 7001, 7002
+
+
+@pytest.fixture(scope="module")
+def sglang_modules() -> dict[str, Any]:
+    activate("integration-test")
+    from sglang.srt.disaggregation import decode
+    from sglang.srt.disaggregation.common import conn
+    from sglang.srt.mem_cache.allocator import paged, token
+
+    from sglang_harden.compat.hooks import is_in_place
+
+    for hook in lifecycle_v05.HOOKS:
+        if hook.module in (token.__name__, paged.__name__, decode.__name__, conn.__name__):
+            assert is_in_place(hook), hook.target
+    return {"token": token, "conn": conn, "decode": decode}
+
+
+@pytest.fixture()
+def allocator(sglang_modules: dict[str, Any]) -> Any:
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    yield alloc
+    lifecycle_v05.NODE = None
+
+
+class Receiver:
+    """Stands in for MooncakeKVReceiver where the wrappers read it."""
+
+    def __init__(self, room: int) -> None:
+        self.bootstrap_room = room
+        self.bootstrap_addr = "127.0.0.1:8998"
+        self.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": 1}]
+        self.abort_notified = False
+        self.aborts_sent = 0
+        self.kv_mgr = SimpleNamespace(record_failure=lambda *a: None)
+
+    def _send_abort_notification(self) -> None:
+        self.aborts_sent += 1
+
+    def abort(self) -> None:
+        self.abort_notified = True
+
+
+def _publish(receiver: Receiver, indices: Any) -> None:
+    wrapped = lifecycle_v05._send_metadata(lambda self, kv_indices, *a, **k: None)
+    wrapped(receiver, indices.numpy())
+
+
+def _ack(conn: Any, room: int) -> None:
+    mgr = SimpleNamespace(_deferred_abort_ack_tracker={})
+    params = inspect.signature(conn.CommonKVManager.note_abort_ack).parameters
+    extra = {"generation": 1} if "generation" in params else {}
+    conn.CommonKVManager.note_abort_ack(mgr, room, 0, **extra)
+
+
+def _scheduler_step(decode: Any) -> None:
+    queue = SimpleNamespace(queue=[])
+    decode.DecodeTransferQueue.pop_transferred(queue)
+
+
+def test_vanilla_reuses_pages_of_an_in_flight_transfer(allocator: Any) -> None:
+    lifecycle_v05.NODE = None
+    filler = allocator.alloc(20)
+    a = allocator.alloc(20)
+    allocator.free(a)  # decode gives up on A; prefill's write into `a` is still in flight
+    b = allocator.alloc(20)
+    assert set(a.tolist()) & set(b.tolist()), "small pool: B is handed A's pages"
+    allocator.free(filler)
+
+
+def test_hardened_quarantines_until_drain_ack(allocator: Any, sglang_modules: dict[str, Any]) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    filler = allocator.alloc(20)
+    a = allocator.alloc(20)
+    receiver = Receiver(ROOM_A)
+    _publish(receiver, a)
+    assert node.ledger.state(int(a[0])) == PageState.WRITING
+
+    allocator.free(a)  # abort/timeout release while the write may be in flight
+    assert node.ledger.quarantined_count() == 20
+    assert receiver.aborts_sent == 1, "decode asks prefill for a drain ack"
+    assert allocator.available_size() == POOL - 40
+    assert allocator.alloc(20) is None, "quarantined pages are not allocatable"
+    assert node.report()["quarantined_pages"] == 20
+
+    _scheduler_step(sglang_modules["decode"])
+    assert node.ledger.quarantined_count() == 20, "no confirmation yet: stays quarantined (no timeout release)"
+
+    _ack(sglang_modules["conn"], ROOM_A)
+    _scheduler_step(sglang_modules["decode"])
+    assert node.ledger.quarantined_count() == 0
+    allocator.free(filler)
+    assert allocator.available_size() == POOL, "every page back at quiesce"
+    assert events.snapshot().get("lifecycle:quarantine", 0) >= 1
+
+
+def test_sender_known_gone_releases_quarantine(allocator: Any, sglang_modules: dict[str, Any]) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(10)
+    _publish(Receiver(ROOM_A), a)
+    allocator.free(a)
+    assert node.ledger.quarantined_count() == 10
+    lifecycle_v05._note_gone(lambda self, addr: None)(None, "127.0.0.1:8998")  # heartbeat: prefill is gone
+    _scheduler_step(sglang_modules["decode"])
+    assert node.ledger.quarantined_count() == 0
+    assert allocator.available_size() == POOL
+
+
+def test_completed_transfer_frees_normally(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(12)
+    _publish(Receiver(ROOM_B), a)
+    assert node.finish(ROOM_B) is not None
+    allocator.free(a)
+    assert node.ledger.quarantined_count() == 0
+    assert allocator.available_size() == POOL
+    assert not node.transfers, "bookkeeping of a finished transfer is dropped"
+
+
+def test_quarantine_cap_closes_the_decode_door(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=8)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(10)
+    _publish(Receiver(ROOM_A), a)
+    allocator.free(a)
+    decision = node.ledger.admission_open(node.cap)
+    assert decision.verdict is Verdict.REJECT and decision.status_code == 503
+    assert "quarantined" in decision.reason
+
+
+def _scheduler_with_table(rows: list[int]) -> Any:
+    table = torch.zeros((4, 64), dtype=torch.int32)
+    table[1, : len(rows)] = torch.tensor(rows, dtype=torch.int32)
+    return SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=table))
+
+
+def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(16)
+    _publish(Receiver(ROOM_B), a)
+    transfer = node.finish(ROOM_B)
+    assert transfer is not None
+    req = SimpleNamespace(rid="req-b", origin_input_ids=list(range(16)), req_pool_idx=1, kv=None,
+                          prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
+    scheduler = _scheduler_with_table(a.tolist())
+    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+
+    # test hook: hand one page of B's table to another owner (what a late/foreign write would mean)
+    victim = int(a[3])
+    node.ledger.release(transfer.owner, [victim], writer_drained=True)
+    node.ledger.reserve("room:999", [victim])
+    decision = lifecycle_v05.check_request_pages(node, scheduler, req, transfer)
+    assert decision.verdict is Verdict.ABORT and "room:999" in decision.reason
+
+
+def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(8)
+    _publish(Receiver(ROOM_B), a)
+    rows = a.tolist()
+    rows[2] = int(allocator.alloc(1)[0])  # a row the transfer never wrote
+    req = SimpleNamespace(rid="req-c", origin_input_ids=list(range(8)), req_pool_idx=1, kv=None,
+                          prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
+    queue = SimpleNamespace(scheduler=_scheduler_with_table(rows))
+    committed: list[str] = []
+    wrapped = lifecycle_v05._commit_with_tags(lambda self, decode_req: committed.append(decode_req.req.rid))
+    wrapped(queue, SimpleNamespace(req=req))
+    assert committed == ["req-c"]
+    assert type(req.finished_reason).__name__ == "FINISH_ABORT"
+    assert "page ownership" in req.finished_reason.message
+
+
+def test_prefill_holds_source_pages_until_settled(sglang_modules: dict[str, Any]) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    lifecycle_v05.NODE = node
+    try:
+        src = alloc.alloc(10)
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Failed}, _staging_outstanding={ROOM_A: 1})
+        node.hold(mgr, ROOM_A, src.tolist())
+        alloc.free(src)  # request aborted on prefill while a chunk of its transfer is being written
+        assert alloc.available_size() == POOL - 10, "source pages held while the chunk is in flight"
+        mgr._staging_outstanding[ROOM_A] = 0
+        lifecycle_v05._free_now(node, node.settle_pending())
+        assert alloc.available_size() == POOL
+        assert not node.pending
+    finally:
+        lifecycle_v05.NODE = None
+
+
+def test_pages_are_numpy_views() -> None:
+    node = DecodeNode.for_allocator(SimpleNamespace(size=16, page_size=1), cap=0)
+    node.ledger.reserve("x", [3])
+    assert node.states[3] == PageState.RESERVED
+    assert np.count_nonzero(node.states) == 1
