@@ -152,24 +152,25 @@ COVERAGE_CHECK_CALL = '''        if not _is_fake_transfer(decode_req.req) and no
 
 COVERAGE_CHECK_METHOD = '''    def _transfer_covers_prompt(self, decode_req: DecodeRequest, cached_tokens) -> bool:
         """sglang-harden backport: commit only if prefill sent KV for every token decode reserved."""
-        sent = decode_coverage(int(cached_tokens[COVERAGE_SLOT].item()))
-        reserved = len(decode_req.req.origin_input_ids)
-        if sent == reserved:
+        sent_tokens = decode_coverage(int(cached_tokens[COVERAGE_SLOT].item()))
+        reserved_tokens = len(decode_req.req.origin_input_ids)
+        if sent_tokens is None and os.environ.get("SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED") == "1":
             return True
-        if sent is None and os.environ.get("SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED") == "1":
-            return True
-        message = (
-            f"KV coverage mismatch for request {decode_req.req.rid}: decode reserved {reserved} "
-            f"tokens, prefill sent {'an unknown number of' if sent is None else sent} tokens; "
-            "refusing to decode over pages this request's transfer did not write"
-        )
-        logger.error(message)
-        prepare_abort(
-            decode_req.req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR
-        )
-        decode_req.kv_receiver.clear()
-        decode_req.kv_receiver = None
-        return False
+        if sent_tokens != reserved_tokens:
+            sent = "an unknown number of" if sent_tokens is None else sent_tokens
+            message = (
+                f"KV coverage mismatch for request {decode_req.req.rid}: decode reserved "
+                f"{reserved_tokens} tokens, prefill sent {sent} tokens; refusing to decode "
+                "over pages this request's transfer did not write"
+            )
+            logger.error(message)
+            prepare_abort(
+                decode_req.req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR
+            )
+            decode_req.kv_receiver.clear()
+            decode_req.kv_receiver = None
+            return False
+        return True
 
 '''
 

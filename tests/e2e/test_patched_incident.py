@@ -22,8 +22,15 @@ from typing import Any
 import pytest
 
 from sglang_harden.testbed.envs import require_env
-from sglang_harden.testbed.incident import IncidentSetup, RoundResult, run_round, start_incident_pair
+from sglang_harden.testbed.incident import (
+    KVTRACE_ENV,
+    WAITING_TIMEOUT_ENV,
+    IncidentSetup,
+    RoundResult,
+    run_round,
+)
 from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.testbed.server import PDPair
 from sglang_harden.tools import patch as patch_tool
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +40,7 @@ SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_S = 5.0
+STARTUP_TIMEOUT_S = 1800.0  # server starts take many minutes on a shared 2-core machine
 _runs: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -62,7 +70,14 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
     if tree is not None:
         env.update({"PYTHONPATH": f"{tree}:{SHIMS_DIR}", "SGLANG_HARDEN_CAPACITY": "log"})
     _progress(f"{pin} {variant}: starting pair (logs {log_dir})")
-    pair = start_incident_pair(pin, hardened=False, setup=SETUP, log_dir=log_dir, extra_env=env, progress=True)
+    pair = PDPair(
+        pin, prefill_max_total_tokens=SETUP.prefill_max_total_tokens,
+        decode_max_total_tokens=SETUP.decode_max_total_tokens, context_length=SETUP.context_length,
+        num_reserved_decode_tokens=SETUP.num_reserved_decode_tokens,
+        env={WAITING_TIMEOUT_ENV: str(SETUP.waiting_timeout_s), **env},
+        decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")}, log_dir=log_dir,
+        startup_timeout=STARTUP_TIMEOUT_S, progress=True,
+    ).start()
     rounds: list[RoundResult] = []
     try:
         for index, seed in enumerate(SEEDS):
@@ -81,9 +96,14 @@ def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     def get(pin: str, variant: str) -> dict[str, Any]:
         require_pin(pin)
         key = (pin, variant)
-        if key not in _runs:
-            tree = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}")) if variant == "patched" else None
-            _runs[key] = _run(pin, variant, tmp_path_factory.mktemp(f"{variant}-{pin}"), tree)
+        if key not in _runs:  # one start per variant: a failed start is remembered, never retried
+            try:
+                tree = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}")) if variant == "patched" else None
+                _runs[key] = _run(pin, variant, tmp_path_factory.mktemp(f"{variant}-{pin}"), tree)
+            except Exception as exc:  # noqa: BLE001 - re-raised for every test that needs this run
+                _runs[key] = {"error": exc}
+        if "error" in _runs[key]:
+            raise _runs[key]["error"]
         return _runs[key]
 
     return get
