@@ -52,7 +52,9 @@ class ReleaseOutcome:
     ignored: list[int] = field(default_factory=list)
 
 
-LedgerSnapshot = tuple[tuple[tuple[int, str | None, int], ...], int, tuple[tuple[str, tuple[int, ...]], ...]]
+LedgerSnapshot = tuple[
+    tuple[bytes, tuple[str | None, ...], tuple[int, ...]], int, tuple[tuple[str, tuple[int, ...]], ...]
+]
 
 
 class PageLedger:
@@ -186,24 +188,27 @@ class PageLedger:
 
     # ---- snapshots (for the protocol model's explorer)
     def snapshot(self) -> LedgerSnapshot:
-        pages = tuple((self._state[p], self.owner(p), self._generation[p]) for p in range(self.num_pages))
+        """Everything the ledger knows, as a hashable value (columns: states, owners, generations)."""
+        names = self._owner_names
+        owners = tuple(names.get(o) for o in self._owner) if names else (None,) * self.num_pages
         holds = tuple(sorted((o, tuple(p)) for o, p in self._source_holds.items()))
-        return pages, self._next_generation, holds
+        return (self._state.tobytes(), owners, tuple(self._generation)), self._next_generation, holds
 
     @classmethod
     def restore(cls, snap: LedgerSnapshot) -> PageLedger:
-        pages, next_generation, holds = snap
-        ledger = cls(len(pages))
-        for page, (state, owner, generation) in enumerate(pages):
-            if owner is not None:
-                owner_id = ledger._intern(owner)
-                ledger._owner[page] = owner_id
-                ledger._pages_held[owner_id] += 1
-                if state == PageState.QUARANTINED:
-                    ledger._quarantine.setdefault(owner_id, []).append(page)
-                    ledger._quarantined += 1
-            ledger._state[page] = state
-            ledger._generation[page] = generation
+        (states, owners, generations), next_generation, holds = snap
+        ledger = cls(len(owners))
+        ledger._state = array("b", states)
+        ledger._generation = array("q", generations)
+        for page, owner in enumerate(owners):
+            if owner is None:
+                continue
+            owner_id = ledger._intern(owner)
+            ledger._owner[page] = owner_id
+            ledger._pages_held[owner_id] += 1
+            if states[page] == PageState.QUARANTINED:
+                ledger._quarantine.setdefault(owner_id, []).append(page)
+                ledger._quarantined += 1
         ledger._next_generation = next_generation
         ledger._source_holds = {o: list(p) for o, p in holds}
         return ledger
