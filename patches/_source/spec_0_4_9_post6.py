@@ -1,0 +1,240 @@
+"""0.4.9.post6: set_finish_with_abort writes finished_reason directly (no to_finish); no is_aborted();
+``self.stream_output``; Mooncake has its own manager and bootstrap server; the metadata has no room, so
+the coverage patch carries the room itself; decode commits inline in pop_transferred."""
+
+from common_text import *  # noqa: F403
+
+MOONCAKE = "sglang/srt/disaggregation/mooncake/conn.py"
+
+H_ADMISSION_049 = H_ADMISSION.replace(
+    "(a FINISH_ABORT left in req.to_finish or req.finished_reason, e.g.",
+    "(a FINISH_ABORT in req.finished_reason, e.g.",
+).replace(
+    "Why: in this release set_finish_with_abort only records the verdict in to_finish and swaps the prompt\n"
+    "for a one-token stub; neither door reads it,",
+    "Why: in this release set_finish_with_abort records the verdict in finished_reason and swaps the\n"
+    "prompt for a one-token stub; neither door reads it,",
+).replace("Retracted/rebootstrapping decode requests", "Retracted decode requests")
+
+H_COVERAGE_049 = """\
+sglang-harden backport: coverage check (prefill publishes what it sent; decode verifies before commit)
+
+What: on the last chunk prefill writes into output_ids slots 13-15 of the request's metadata (spare in
+this release; only slot 0 is used) the number of prompt tokens whose KV its transfer covers (tagged
+0x5A in the top byte) and 62 bits of the request's bootstrap room. Decode, when a transfer reports
+success in pop_transferred, aborts the request with 500 unless the room matches its own and the count
+equals the prompt length it reserved pages for.
+
+Why: nothing else checks that the KV decode is about to read was written for this request, and this
+release's metadata does not even say which request it belongs to. A one-token stub, a short send or a
+stale metadata row would otherwise be decoded over foreign pages.
+Both sides must carry this patch. During a rolling upgrade set SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED=1 on
+decode to accept transfers that carry no count (mismatching counts are always refused).
+"""
+
+H_NOTIFY_049 = H_NOTIFY.replace(
+    "the bootstrap server (prefill's, which decode already queries for /route)",
+    "Mooncake's bootstrap server (prefill's, which decode already queries for /route)",
+).replace(
+    "has its own wire format with no room for a status or message; the bootstrap server is common to all\n"
+    "backends.",
+    "has its own wire format with no room for a status or message. In this release only the Mooncake\n"
+    "backend is covered (its manager and bootstrap server are its own).",
+)
+
+DOOR_049 = '''
+    def retire_rejected(self, req: Req) -> None:
+        """Answer a request rejected before admission with its original error (sglang-harden backport)."""
+        self.scheduler.stream_output([req], req.return_logprob)
+'''
+
+COVERAGE_UTILS_049 = '''
+
+# sglang-harden backport: output_ids slots 13-15 (spare) carry how many prompt tokens of KV prefill sent
+# (tagged, so an unwritten 0 never reads as a count) and 62 bits of the bootstrap room they were sent for.
+COVERAGE_SLOTS = (13, 14, 15)
+_COVERAGE_TAG = 0x5A << 24
+_COVERAGE_MASK = (1 << 24) - 1
+_ROOM_MASK = (1 << 31) - 1
+
+
+def encode_coverage(tokens: int, room: int) -> List[int]:
+    if not 0 <= tokens <= _COVERAGE_MASK:
+        raise ValueError(f"coverage {tokens} does not fit 24 bits")
+    return [_COVERAGE_TAG | tokens, room & _ROOM_MASK, (room >> 31) & _ROOM_MASK]
+
+
+def decode_coverage(row, room: int) -> Optional[int]:
+    count, low, high = (int(row[slot].item()) for slot in COVERAGE_SLOTS)
+    if low != room & _ROOM_MASK or high != (room >> 31) & _ROOM_MASK:
+        return None
+    return count & _COVERAGE_MASK if count & ~_COVERAGE_MASK == _COVERAGE_TAG else None
+'''
+
+COVERAGE_PUBLISH_049 = '''            # sglang-harden backport: publish how many prompt tokens this transfer covers, and for which room.
+            row = self.disagg_metadata_buffers.output_ids[req.metadata_buffer_index]
+            for slot, value in zip(
+                COVERAGE_SLOTS, encode_coverage(end_idx, req.bootstrap_room or 0)
+            ):
+                row[slot] = value
+'''
+
+COVERAGE_CHECK_CALL_049 = '''                if not self._transfer_covers_prompt(decode_req, output_id):
+                    indices_to_remove.add(i)
+                    continue
+'''
+
+COVERAGE_CHECK_METHOD_049 = '''    def _transfer_covers_prompt(self, decode_req: DecodeRequest, output_id) -> bool:
+        """sglang-harden backport: commit only if prefill sent KV for every token decode reserved."""
+        req = decode_req.req
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            return True
+        sent_tokens = decode_coverage(output_id, req.bootstrap_room or 0)
+        reserved_tokens = len(req.origin_input_ids)
+        if sent_tokens is None and os.environ.get("SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED") == "1":
+            return True
+        if sent_tokens != reserved_tokens:
+            sent = "an unknown number of" if sent_tokens is None else sent_tokens
+            message = (
+                f"KV coverage mismatch for request {req.rid}: decode reserved "
+                f"{reserved_tokens} tokens, prefill sent {sent} tokens; refusing to decode "
+                "over pages this request's transfer did not write"
+            )
+            logger.error(message)
+            prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+            self.scheduler.stream_output([req], req.return_logprob)
+            self.tree_cache.cache_finished_req(req)
+            if hasattr(decode_req.kv_receiver, "clear"):
+                decode_req.kv_receiver.clear()
+            return False
+        return True
+
+'''
+
+DECODE_NOTIFY_ABORT_049 = DECODE_NOTIFY_ABORT
+
+PATCHES = [
+    ("admission-at-both-doors", H_ADMISSION_049, [
+        (PREFILL, "from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch\n",
+         "from sglang.srt.managers.schedule_batch import (\n    FINISH_ABORT,\n    FINISH_LENGTH,\n"
+         "    Req,\n    ScheduleBatch,\n)\n"),
+        (PREFILL,
+         "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
+         "        if self._check_if_req_exceed_kv_capacity(req):\n",
+         "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
+         "        if isinstance(req.finished_reason, FINISH_ABORT):\n"
+         "            # sglang-harden backport: a request SGLang already rejected must not bootstrap.\n"
+         "            self.retire_rejected(req)\n"
+         "            return\n"
+         "        if self._check_if_req_exceed_kv_capacity(req):\n"),
+        (PREFILL, "    def extend(self, reqs: List[Req], num_kv_heads: int) -> None:\n",
+         DOOR_049.lstrip("\n") + "\n    def extend(self, reqs: List[Req], num_kv_heads: int) -> None:\n"),
+        (DECODE,
+         '        """Add a request to the pending queue."""\n'
+         "        if self._check_if_req_exceed_kv_capacity(req):\n",
+         '        """Add a request to the pending queue."""\n'
+         "        if not is_retracted and isinstance(req.finished_reason, FINISH_ABORT):\n"
+         "            # sglang-harden backport: a request SGLang already rejected gets no receiver and no KV.\n"
+         "            self.scheduler.stream_output([req], req.return_logprob)\n"
+         "            return\n"
+         "        if self._check_if_req_exceed_kv_capacity(req):\n"),
+    ]),
+    ("retire-before-final-send", H_RETIRE.replace(
+        "(to_finish or\nfinished_reason is FINISH_ABORT)", "(finished_reason is\nFINISH_ABORT)"), [
+        (PREFILL,
+         '        """\n        Send a prefilled chunk to the decode server\n        """\n',
+         '        """\n        Send a prefilled chunk to the decode server\n        """\n'
+         "        if last_chunk and isinstance(req.finished_reason, FINISH_ABORT):\n"
+         "            # sglang-harden backport: never report an aborted request's KV as complete.\n"
+         "            self.retire_before_final_send(req)\n"
+         "            return\n"),
+        (PREFILL,
+         "    def send_kv_chunk(\n",
+         "    def retire_before_final_send(self: Scheduler, req: Req) -> None:\n"
+         '        """Fail the sender of an aborted request instead of sending its last chunk (sglang-harden)."""\n'
+         "        if req.disagg_kv_sender is not None:\n"
+         "            req.disagg_kv_sender.abort()\n\n"
+         "    def send_kv_chunk(\n"),
+    ]),
+    ("coverage-publish-and-check", H_COVERAGE_049, [
+        (UTILS, "\n\nclass MetadataBuffers:\n", COVERAGE_UTILS_049 + "\n\nclass MetadataBuffers:\n"),
+        (PREFILL, "from sglang.srt.managers.schedule_batch import (\n",
+         "from sglang.srt.disaggregation.utils import COVERAGE_SLOTS, encode_coverage\n"
+         "from sglang.srt.managers.schedule_batch import (\n"),
+        (PREFILL,
+         "        if last_chunk:\n            self.disagg_metadata_buffers.set_buf(req)\n",
+         "        if last_chunk:\n            self.disagg_metadata_buffers.set_buf(req)\n" + COVERAGE_PUBLISH_049),
+        (DECODE, "\nimport logging\n", "\nimport logging\nimport os\n"),
+        (DECODE, "from sglang.srt.managers.schedule_batch import FINISH_ABORT, ScheduleBatch\n",
+         "from sglang.srt.disaggregation.utils import decode_coverage\n"
+         "from sglang.srt.managers.schedule_batch import FINISH_ABORT, ScheduleBatch\n"),
+        (DECODE,
+         "                ) = self.metadata_buffers.get_buf(idx)\n\n"
+         "                decode_req.req.output_ids.append(output_id[0].item())\n",
+         "                ) = self.metadata_buffers.get_buf(idx)\n\n" + COVERAGE_CHECK_CALL_049 +
+         "                decode_req.req.output_ids.append(output_id[0].item())\n"),
+        (DECODE, "    def pop_transferred(self) -> List[Req]:\n",
+         COVERAGE_CHECK_METHOD_049 + "    def pop_transferred(self) -> List[Req]:\n"),
+    ]),
+    ("notify-decode-of-prefill-rejections", H_NOTIFY_049, [
+        (NEWMOD, None, PD_REJECTIONS),
+        (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n",
+         "from sglang.srt.disaggregation.common import pd_rejections\n"
+         "from sglang.srt.disaggregation.common.utils import (\n"),
+        (MOONCAKE, '        url = f"http://{bootstrap_server_url}/route"\n        payload = {\n            "role": "Prefill",\n',
+         '        url = f"http://{bootstrap_server_url}/route"\n'
+         '        self.bootstrap_base_url = f"http://{bootstrap_server_url}"  # sglang-harden: pd_rejections\n'
+         '        payload = {\n            "role": "Prefill",\n'),
+        (MOONCAKE,
+         '            self.waiting_timeout = get_int_env_var(\n'
+         '                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300\n            )\n',
+         '            self.waiting_timeout = get_int_env_var(\n'
+         '                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300\n            )\n'
+         "            # sglang-harden backport: learn promptly when prefill rejected a room we wait on.\n"
+         "            self.rejection_watcher = pd_rejections.start_watcher(self)\n"),
+        (MOONCAKE,
+         '        self.app.router.add_route("*", "/route", self._handle_route)\n'
+         '        self.app.router.add_get("/health", self._handle_health_check)\n',
+         '        self.app.router.add_route("*", "/route", self._handle_route)\n'
+         '        self.app.router.add_get("/health", self._handle_health_check)\n'
+         "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n"),
+        (PREFILL, "from sglang.srt.disaggregation.utils import (\n    FAKE_BOOTSTRAP_HOST,\n",
+         "from sglang.srt.disaggregation.common import pd_rejections\n"
+         "from sglang.srt.disaggregation.utils import (\n    FAKE_BOOTSTRAP_HOST,\n"),
+        (PREFILL, "        self.scheduler.stream_output([req], req.return_logprob)\n\n    def extend(",
+         "        self.scheduler.stream_output([req], req.return_logprob)\n"
+         "        pd_rejections.publish(self.kv_manager, req)\n\n    def extend("),
+        (PREFILL, "            req.disagg_kv_sender.abort()\n\n    def send_kv_chunk(\n",
+         "            req.disagg_kv_sender.abort()\n"
+         "        pd_rejections.publish(self.disagg_prefill_bootstrap_queue.kv_manager, req)\n\n"
+         "    def send_kv_chunk(\n"),
+        (DECODE, "from sglang.srt.disaggregation.utils import (\n    FAKE_BOOTSTRAP_HOST,\n",
+         "from sglang.srt.disaggregation.common import pd_rejections\n"
+         "from sglang.srt.disaggregation.utils import (\n    FAKE_BOOTSTRAP_HOST,\n"),
+        (DECODE,
+         "                logger.error(error_message)\n"
+         "                prepare_abort(\n"
+         "                    decode_req.req,\n"
+         "                    error_message,\n"
+         "                    status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
+         "                )\n"
+         "            else:\n",
+         "                logger.error(error_message)\n" + DECODE_NOTIFY_ABORT_049 + "            else:\n"),
+        (DECODE,
+         "                logger.error(error_message)\n"
+         "                prepare_abort(\n"
+         "                    decode_req.req,\n"
+         "                    error_message,\n"
+         "                    status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
+         "                )\n"
+         "                self.scheduler.stream_output(\n",
+         "                logger.error(error_message)\n" + DECODE_NOTIFY_ABORT_049 +
+         "                self.scheduler.stream_output(\n"),
+    ]),
+    ("capacity-gate", H_CAPACITY, [
+        (SCHED, ") = self.tp_worker.get_worker_info()\n",
+         ") = self.tp_worker.get_worker_info()\n"
+         "        self._check_kv_pool_holds_context()  # sglang-harden backport\n"),
+        (SCHED, "    def init_tokenizer(self):\n", CAPACITY_METHOD + "    def init_tokenizer(self):\n"),
+    ]),
+]
