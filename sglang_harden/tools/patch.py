@@ -294,7 +294,10 @@ def _render(report: Report) -> str:
 
 
 def _emit(report: Report, as_json: bool) -> None:
-    print(json.dumps(asdict(report), indent=2) if as_json else _render(report))
+    try:
+        print(json.dumps(asdict(report), indent=2) if as_json else _render(report))
+    except BrokenPipeError:  # e.g. piped into head: the exit code still tells the result
+        sys.stderr.close()
 
 
 def run(args: argparse.Namespace) -> int:
