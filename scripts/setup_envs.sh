@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v uv >/dev/null 2>&1 || python3 -m pip install -q uv
-exec python3 -m sglang_harden.testbed.envs "$@"
+exec python3 -c "import sys; from sglang_harden.testbed.envs import main; sys.exit(main())" "$@"

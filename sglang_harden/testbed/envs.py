@@ -359,7 +359,7 @@ def select_pins(args: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build one venv per SGLang pin (see ci/pins.toml).")
+    parser = argparse.ArgumentParser(prog="setup_envs.sh", description="One venv per SGLang pin (ci/pins.toml).")
     parser.add_argument("pins", nargs="*", help="pins to build; --ci (default) or --all")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     args, rest = parser.parse_known_args(argv)
