@@ -60,6 +60,9 @@ class HardenConfig:
     allow_unknown_pin: bool = False
     quarantine_cap_pages: int = 0
     transfer_window_pages: int = 1024
+    # How long a write the transport reported failed (timed out) may still land: the sender's bound on a posted
+    # write's lifetime (RDMA: QP timeout x retries). Until then prefill neither acks the drain nor frees sources.
+    transfer_write_lifetime_s: int = 30
     bootstrap_secret: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 

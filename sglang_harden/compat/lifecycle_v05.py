@@ -28,9 +28,11 @@ Both roles: ``Scheduler.__init__`` makes prefill send drain acknowledgements
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,6 +276,9 @@ class PrefillNode:
     held_room: np.ndarray
     kv_mgr: Any = None
     pending: dict[int, list[int]] = field(default_factory=dict)
+    failed_writes: dict[int, float] = field(default_factory=dict)
+    stashed_acks: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
+    lifetime_s: float = 30.0
 
     @classmethod
     def for_allocator(cls, allocator: Any) -> PrefillNode:
@@ -286,7 +291,18 @@ class PrefillNode:
         self.ledger.hold_source(owner_of_room(room), pages)
         self.held_room[np.asarray(pages, dtype=np.int64)] = int(room)
 
+    def note_failed_write(self, rooms: Sequence[int]) -> None:
+        """The transport gave up on a write of these rooms: its bytes may still land for ``lifetime_s``."""
+        now = time.monotonic()
+        for room in rooms:
+            self.failed_writes[int(room)] = now
+
     def settled(self, room: int) -> bool:
+        failed_at = self.failed_writes.get(room)
+        if failed_at is not None:
+            if time.monotonic() - failed_at < self.lifetime_s:
+                return False
+            del self.failed_writes[room]
         mgr = self.kv_mgr
         if mgr is None:
             return True
@@ -326,7 +342,15 @@ class PrefillNode:
         for room in [r for r in self.pending if self.settled(r)]:
             freed.extend(self.pending.pop(room))
             self._settle(room)
+        for room in [r for r in self.stashed_acks if self.settled(r)]:
+            for send in self.stashed_acks.pop(room):
+                send()
+            events.record(Decision(lifecycle.GUARD, Verdict.RELEASE, "drain ack sent after the write settled",
+                                   None, {"room": room}), Mode.ENFORCE)
         return freed
+
+    def busy(self) -> bool:
+        return bool(self.pending or self.stashed_acks or self.failed_writes)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -334,6 +358,8 @@ class PrefillNode:
             "page_size": self.page_size,
             "source_pages_held_back": sum(len(p) for p in self.pending.values()),
             "rooms_unsettled": len(self.pending),
+            "drain_acks_withheld": sum(len(a) for a in self.stashed_acks.values()),
+            "rooms_with_failed_writes": len(self.failed_writes),
         }
 
 
@@ -438,6 +464,7 @@ def _make_node(scheduler: Any) -> None:
         NODE = DecodeNode.for_allocator(allocator, RUNTIME.config.quarantine_cap_pages)
     elif role == "prefill":
         NODE = PrefillNode.for_allocator(allocator)
+        NODE.lifetime_s = float(RUNTIME.config.transfer_write_lifetime_s)
     if NODE is not None:
         logger.warning("sglang-harden lifecycle: %s ledger over %s pages (page size %s), window %s pages",
                        role, NODE.ledger.num_pages, NODE.page_size, RUNTIME.config.transfer_window_pages)
@@ -585,7 +612,7 @@ def _settle_after_inflight(original: Func) -> Func:
     def process(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         node = NODE
-        if isinstance(node, PrefillNode) and node.pending:
+        if isinstance(node, PrefillNode) and node.busy():
             _free_now(node, node.settle_pending())
         return result
 
@@ -595,22 +622,61 @@ def _settle_after_inflight(original: Func) -> Func:
 # ---------------------------------------------------------------- bounded transfer window (pins without the env)
 
 
-def _windowed_send(original: Func) -> Func:
+def _send_kvcache(original: Func) -> Func:
+    """Bounded transfer window (pins without the env) and failed-write tracking (every pin)."""
+
     def send_kvcache(self: Any, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
                      dst_kv_indices: Any, executor: Any, *args: Any, **kwargs: Any) -> Any:
-        window = RUNTIME.config.transfer_window_pages
-        if window <= 0 or hasattr(self, "max_transfer_batch_indices") or len(prefill_kv_indices) <= window:
-            return original(self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                            executor, *args, **kwargs)
-        for start in range(0, len(prefill_kv_indices), window):
-            end = start + window
-            status = original(self, mooncake_session_id, prefill_kv_indices[start:end], dst_kv_ptrs,
-                              dst_kv_indices[start:end], executor, *args, **kwargs)
-            if status != 0:
-                return status
-        return 0
+        status = _send_windows(original, self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                               dst_kv_indices, executor, *args, **kwargs)
+        node = NODE
+        if status != 0 and isinstance(node, PrefillNode):
+            node.note_failed_write(_rooms_in_flight(self, mooncake_session_id))
+        return status
 
     return send_kvcache
+
+
+def _send_windows(original: Func, mgr: Any, session: str, src: Any, ptrs: Any, dst: Any, executor: Any,
+                  *args: Any, **kwargs: Any) -> Any:
+    window = RUNTIME.config.transfer_window_pages
+    if window <= 0 or hasattr(mgr, "max_transfer_batch_indices") or len(src) <= window:
+        return original(mgr, session, src, ptrs, dst, executor, *args, **kwargs)
+    for start in range(0, len(src), window):
+        end = start + window
+        status = original(mgr, session, src[start:end], ptrs, dst[start:end], executor, *args, **kwargs)
+        if status != 0:
+            return status
+    return 0
+
+
+def _rooms_in_flight(mgr: Any, session: str) -> list[int]:
+    """Rooms of ``session`` with a chunk dequeued by a transfer worker right now (the one whose write failed)."""
+    outstanding = getattr(mgr, "_staging_outstanding", {})
+    return [room for room, infos in list(mgr.transfer_infos.items())
+            if session in infos and outstanding.get(room, 0) > 0]
+
+
+def _withhold_ack(original: Func) -> Func:
+    """Prefill's drain ack for a room goes out only once the room settled (incl. a failed write's lifetime)."""
+    signature = inspect.signature(original)
+
+    def send_abort_ack(self: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if not isinstance(node, PrefillNode):
+            return original(self, *args, **kwargs)
+        room = int(signature.bind(self, *args, **kwargs).arguments["room"])
+        node.kv_mgr = node.kv_mgr or self
+        if node.settled(room):
+            return original(self, *args, **kwargs)
+        decision = Decision(lifecycle.GUARD, Verdict.QUARANTINE, "drain ack withheld: a write of this room may "
+                            "still land", None, {"room": room})
+        if not events.record(decision, RUNTIME.config.lifecycle):
+            return original(self, *args, **kwargs)
+        node.stashed_acks.setdefault(room, []).append(lambda: original(self, *args, **kwargs))
+        return None
+
+    return send_abort_ack
 
 
 # ---------------------------------------------------------------- the table (merged into sglang_v05.HOOKS)
@@ -633,7 +699,8 @@ HOOKS: list[Hook] = [
          ("self",), _settle_after_inflight),
     Hook("lifecycle", MOONCAKE, "MooncakeKVManager.send_kvcache",
          ("self", "mooncake_session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor"),
-         _windowed_send),
+         _send_kvcache),
+    Hook("lifecycle", CONN, "CommonKVManager._send_abort_ack", ("self",), _withhold_ack),
     Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _commit_with_tags),
 ]

@@ -236,3 +236,40 @@ def test_pages_are_numpy_views() -> None:
     node.ledger.reserve("x", [3])
     assert node.states[3] == PageState.RESERVED
     assert np.count_nonzero(node.states) == 1
+
+
+def test_prefill_withholds_drain_ack_and_sources_after_a_failed_write(sglang_modules: dict[str, Any]) -> None:
+    """A write the transport reported failed (timed out) may still land: no drain ack, no source free, until
+    the sender's write lifetime passed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    node.lifetime_s = 0.3
+    lifecycle_v05.NODE = node
+    try:
+        src = alloc.alloc(6)
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1},
+                              transfer_infos={ROOM_A: {"sess-1": object()}})
+        node.hold(mgr, ROOM_A, src.tolist())
+        send = lifecycle_v05._send_kvcache(lambda *a, **k: -1)  # the engine call timed out
+        assert send(mgr, "sess-1", np.arange(6), [], np.arange(6), None) == -1
+        mgr._staging_outstanding[ROOM_A] = 0  # the worker moved on
+        mgr.request_status[ROOM_A] = KVPoll.Failed
+        alloc.free(src)
+        assert alloc.available_size() == POOL - 6, "sources held while the failed write may still land"
+
+        acks: list[int] = []
+        ack = lifecycle_v05._withhold_ack(lambda self, decode_ip, decode_port, room: acks.append(room))
+        ack(mgr, "127.0.0.1", 1, ROOM_A)
+        assert acks == [], "drain ack withheld"
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert acks == []
+        import time
+
+        time.sleep(0.35)
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert acks == [ROOM_A]
+        assert alloc.available_size() == POOL
+    finally:
+        lifecycle_v05.NODE = None

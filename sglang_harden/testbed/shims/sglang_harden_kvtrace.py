@@ -29,6 +29,7 @@ from sglang_harden._importhook import when_imported
 _lock = threading.Lock()
 _owners: dict[int, tuple[str, str]] = {}  # slot -> (rid of the last owner at its release, row hash)
 _seen_decode: set[str] = set()
+_context_at_first_decode: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
 
 
 def _out_path() -> Path:
@@ -100,6 +101,8 @@ def _first_decode(scheduler: Any, req: Any) -> None:
             owner = _owners.get(slot)
             if owner is not None and owner[0] != req.rid and owner[1] == digest:
                 matches[owner[0]] += 1
+    with _lock:
+        _context_at_first_decode[req.rid] = (slots, hashes)
     _emit({"event": "first_decode", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8],
            "foreign_rows": dict(matches), "foreign_total": sum(matches.values())})
 
@@ -109,7 +112,15 @@ def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
     with _lock:
         for slot, digest in zip(slots, hashes, strict=True):
             _owners[slot] = (req.rid, digest)
-    _emit({"event": "release", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8]})
+    with _lock:
+        before = _context_at_first_decode.pop(req.rid, None)
+    changed = None
+    if before is not None:  # a request's prompt KV must not change while it decodes (late foreign write)
+        ctx_slots, ctx_hashes = before
+        now = dict(zip(slots, hashes, strict=True))
+        changed = sum(1 for s, h in zip(ctx_slots, ctx_hashes, strict=True) if now.get(s, h) != h)
+    _emit({"event": "release", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8],
+           "context_rows_changed": changed})
 
 
 def _wrap_run_batch(original: Any) -> Any:

@@ -257,6 +257,14 @@ def _main() -> None:
         import sglang_harden_kvtrace
 
         sglang_harden_kvtrace.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_LATE_WRITE"):
+        import sglang_harden_latewrite
+
+        sglang_harden_latewrite.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_MISOWN_ROOM"):
+        import sglang_harden_misown
+
+        sglang_harden_misown.install()
 
 
 _main()

@@ -1,0 +1,212 @@
+"""Late-write scenario on a real CPU PD pair: decode gives up on a transfer whose write is still in flight.
+
+Timeline (one fresh pair per pin and variant; Mooncake TCP on loopback; the tiny model):
+
+1. warm-up request W (settles the decode pool layout);
+2. request A with a fixed bootstrap room: the test-only ``latewrite`` shim makes prefill's transfer worker
+   sleep ``delay_s`` before writing A's KV, then write it anyway;
+3. after ``abort_after_s`` decode gives up on A (``/abort_request`` on decode: the client went away); upstream
+   then either frees A's pages at once (0.5.19 default) or holds them until prefill's drain ack or its
+   deferred-release timeout (0.5.21+; lowered here to ``release_timeout_s`` < ``delay_s``: the timeout path);
+4. request B (greedy, long enough to still be decoding when A's write lands) is sent; the decode pool is small
+   enough that B is handed A's pages if they were freed;
+5. at quiesce, B is sent again on the quiet server as the reference.
+
+Oracles: the shim's log says when and where A's late write landed; the KV tracer says whether B's prompt rows
+changed while B decoded (``context_rows_changed``); B's greedy ids/logprobs are compared with the reference.
+Corrupted requests = requests whose prompt rows changed or whose output differs from the reference.
+Quiesce: decode's ``available_tokens`` back to ``max_total_num_tokens`` (and no quarantined pages).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
+from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+
+LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
+Progress = Callable[[str], None] | None
+
+
+@dataclass(frozen=True)
+class LateWriteSetup:
+    context_length: int = 512
+    prefill_max_total_tokens: int = 512
+    decode_max_total_tokens: int = 360
+    num_reserved_decode_tokens: int = 32
+    a_len: int = 150
+    b_len: int = 150
+    b_new_tokens: int = 24
+    delay_s: float = 8.0
+    # The engine call for A gives up after this long and reports failure while A's bytes are still on the wire
+    # (None: the write blocks the worker instead; Mooncake then serialises the pair's later transfers behind it).
+    engine_timeout_s: float | None = 1.0
+    abort_after_s: float = 2.5
+    victims_after_write_s: float = 3.0
+    release_timeout_s: float = 2.0
+    quarantine_cap_pages: int = 300
+    room_a: int = 777_000_001
+    quiesce_timeout_s: float = 60.0
+    room_misowned: int = 777_000_002
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, router: bool = False) -> PDPair:
+    env = {
+        LATE_WRITE_ENV: f"{setup.delay_s}:{setup.room_a}" + (
+            f":timeout={setup.engine_timeout_s}" if setup.engine_timeout_s is not None else ""),
+        KVTRACE_ENV: str(log_dir / "kvtrace"),
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(setup.release_timeout_s),
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
+    }
+    if hardened:
+        env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log",
+                    "SGLANG_HARDEN_TESTBED_MISOWN_ROOM": str(setup.room_misowned),
+                    # the sender's bound on a timed-out write's lifetime: must cover the injected delay
+                    "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3)),
+                    "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages)})
+    pair = PDPair(pin, prefill_max_total_tokens=setup.prefill_max_total_tokens,
+                  decode_max_total_tokens=setup.decode_max_total_tokens, context_length=setup.context_length,
+                  num_reserved_decode_tokens=setup.num_reserved_decode_tokens, env=env,
+                  launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER, router=router,
+                  log_dir=log_dir, progress=True)
+    return pair.start()
+
+
+def _pool(pair: PDPair) -> dict[str, Any]:
+    info = pair.decode.server_info()
+    state = (info.get("internal_states") or [{}])[0]
+    harden = state.get("sglang_harden") or {}
+    return {
+        "max_total_num_tokens": info.get("max_total_num_tokens"),
+        "available_tokens": harden.get("available_tokens", (state.get("memory_usage") or {}).get("token_capacity")),
+        "lifecycle": harden.get("lifecycle"),
+        "decisions": harden.get("decisions"),
+    }
+
+
+def _quiesce(pair: PDPair, setup: LateWriteSetup) -> dict[str, Any]:
+    deadline = time.monotonic() + setup.quiesce_timeout_s
+    pool = _pool(pair)
+    while time.monotonic() < deadline:
+        pool = _pool(pair)
+        lc = pool.get("lifecycle") or {}
+        if pool.get("available_tokens") is None or (
+            pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0) and not lc.get("quarantined_pages")
+        ):
+            break
+        time.sleep(1.0)
+    return pool
+
+
+def _abort_on_decode(pair: PDPair, rid: str) -> int:
+    status, _ = http_json("POST", pair.decode.url + "/abort_request", {"rid": rid}, 30.0)
+    return status
+
+
+def _b_summary(res: GenResult) -> dict[str, Any]:
+    return {"status": res.status, "ids": res.output_ids, "logprobs": [round(x, 5) for x in res.logprobs or []],
+            "elapsed_s": res.elapsed_s}
+
+
+def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> dict[str, Any]:
+    say = say or (lambda _m: None)
+    bport = int(pair.prefill.bootstrap_port or 0)
+
+    def victim(rid: str) -> PairResult:
+        body = greedy_body(_prompt(2, setup.b_len), setup.b_new_tokens, rid=rid)
+        return pd_generate(pair.prefill.url, pair.decode.url, bport, body, timeout=300)
+
+    pd_generate(pair.prefill.url, pair.decode.url, bport, greedy_body(_prompt(5, 40), 4, rid="W0"))
+    t0 = time.time()
+    a_box: dict[str, PairResult] = {}
+    body_a = greedy_body(_prompt(1, setup.a_len), 8, rid="A-late")
+    thread = threading.Thread(target=lambda: a_box.setdefault("a", pd_generate(
+        pair.prefill.url, pair.decode.url, bport, body_a, room=setup.room_a, timeout=120)), daemon=True)
+    thread.start()
+    time.sleep(setup.abort_after_s)
+    abort_status = _abort_on_decode(pair, "A-late")
+    say(f"A aborted on decode at +{time.time() - t0:.1f}s (HTTP {abort_status})")
+    victims: dict[str, PairResult] = {}
+    until = t0 + setup.abort_after_s + setup.delay_s + setup.victims_after_write_s
+    while time.time() < until or not victims:  # back-to-back victims span the moment the late write lands
+        rid = f"B{len(victims)}"
+        victims[rid] = victim(rid)
+        say(f"{rid} answered {victims[rid].decode.status} at +{time.time() - t0:.1f}s")
+    thread.join(timeout=setup.delay_s + 60)
+    pool = _quiesce(pair, setup)
+    ref = victim("B-reference")
+    misowned = pd_generate(pair.prefill.url, pair.decode.url, bport,
+                           greedy_body(_prompt(3, 60), 8, rid="M-misowned"), room=setup.room_misowned, timeout=120)
+    return {"t0": t0, "a": a_box.get("a"), "victims": victims, "ref": ref, "pool": pool,
+            "abort_status": abort_status, "misowned": misowned}
+
+
+def _late_writes(folder: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("latewrite-*.jsonl")) if folder.exists() else []:
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
+    ref = _b_summary(run["ref"].decode)
+    trace = read_kvtrace(trace_dir)
+    releases = {e["rid"]: e for e in trace if e.get("event") == "release"}
+    writes = _late_writes(trace_dir)
+    victims: dict[str, dict[str, Any]] = {}
+    for rid, pair_result in run["victims"].items():
+        b = _b_summary(pair_result.decode)
+        changed = (releases.get(rid) or {}).get("context_rows_changed")
+        differs = b["status"] == 200 and ref["status"] == 200 and (b["ids"], b["logprobs"]) != (
+            ref["ids"], ref["logprobs"])
+        victims[rid] = {"status": b["status"], "elapsed_s": round(b["elapsed_s"], 2),
+                        "context_rows_changed": changed, "output_differs_from_reference": differs,
+                        "corrupted": bool(changed) or differs}
+    pool = run["pool"]
+    back = pool.get("available_tokens") is not None and pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0)
+    return {
+        "late_write_landed": any(w["event"] == "late_write" for w in writes),
+        "late_write_t_rel": next((round(w["t"] - run["t0"], 2) for w in writes if w["event"] == "late_write"), None),
+        "victims": victims,
+        "served_requests": sum(1 for v in victims.values() if v["status"] == 200),
+        "corrupted_requests": sum(1 for v in victims.values() if v["corrupted"]),
+        "pages_back_at_quiesce": back,
+        "decode_pool": pool,
+        "misowned_page_request": _misowned(run["misowned"].decode),
+    }
+
+
+def _misowned(res: GenResult) -> dict[str, Any]:
+    return {"status": res.status, "output_tokens": len(res.output_ids or []),
+            "error": res.error_message()[:300] if res.status != 200 else None}
+
+
+def run_late_write(pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetup = LateWriteSetup(),
+                   say: Progress = None) -> dict[str, Any]:
+    """One fresh pair for (pin, variant): the scenario, the oracles, and the pair stopped again."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pair = start_pair(pin, hardened, setup, log_dir)
+    try:
+        run = run_scenario(pair, setup, say)
+    finally:
+        pair.stop()
+    result = judge(run, log_dir / "kvtrace")
+    result.update({"pin": pin, "variant": "hardened" if hardened else "vanilla", "setup": asdict(setup),
+                   "log_dir": str(log_dir)})
+    result["verdict"] = ("corrupted" if result["corrupted_requests"] else "clean") + (
+        "" if result["pages_back_at_quiesce"] else ", pages missing at quiesce")
+    return result

@@ -1,0 +1,103 @@
+"""Fault injection (test-only): a Mooncake KV write that lands late. Enabled by SGLANG_HARDEN_TESTBED_LATE_WRITE.
+
+``SGLANG_HARDEN_TESTBED_LATE_WRITE="<delay_s>:<room>[,<room>…][:timeout=<s>]"`` acts on prefill's writes of the
+listed bootstrap rooms (``MooncakeKVManager._transfer_data``, the call into the transfer engine):
+
+- without ``timeout``: the transfer worker sleeps ``delay_s``, then writes (a slow write that blocks the worker;
+  Mooncake serialises all rooms of one decode session on one queue, so later transfers wait behind it);
+- with ``timeout=<s>``: the engine call gives up after ``s`` seconds and reports failure (-1), while the write
+  itself still lands ``delay_s`` after it started, from another thread: a timed-out batch whose bytes are
+  still on the wire. This is the path upstream's drain ack cannot see (the worker has moved on).
+
+Each late write is logged as one JSON line (room, when it started and landed) to
+``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/latewrite-<pid>.jsonl``. The room of the chunk being written is taken
+from the transfer worker's ``FastQueue.get`` on the same thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from sglang_harden._importhook import when_imported
+
+ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
+_tls = threading.local()
+
+
+def parse(raw: str) -> tuple[float, set[int], float | None]:
+    parts = raw.split(":")
+    delay, rooms = float(parts[0]), {int(r) for r in parts[1].split(",") if r.strip()}
+    timeout = None
+    for extra in parts[2:]:
+        key, _, value = extra.partition("=")
+        if key == "timeout":
+            timeout = float(value)
+    return delay, rooms, timeout
+
+
+def _emit(record: dict[str, Any]) -> None:
+    folder = os.environ.get("SGLANG_HARDEN_TESTBED_KVTRACE_DIR")
+    if not folder:
+        return
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / f"latewrite-{os.getpid()}.jsonl").open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def _patch_queue(module: ModuleType) -> None:
+    cls = module.FastQueue
+    if getattr(cls, "_sglang_harden_latewrite", False):
+        return
+    original = cls.get
+
+    def get(self: Any, *args: Any, **kwargs: Any) -> Any:
+        item = original(self, *args, **kwargs)
+        _tls.room = getattr(item, "room", None)
+        return item
+
+    cls.get = get
+    cls._sglang_harden_latewrite = True
+
+
+def _late(original: Any, delay: float, room: int, args: tuple[Any, ...], mode: str) -> int:
+    started = time.time()
+    time.sleep(delay)
+    status = original(*args)
+    _emit({"event": "late_write", "mode": mode, "room": room, "delayed_s": delay, "started": started,
+           "t": time.time(), "status": int(status), "blocks": len(args[2])})
+    return int(status)
+
+
+def _patch_manager(module: ModuleType) -> None:
+    cls = module.MooncakeKVManager
+    if getattr(cls, "_sglang_harden_latewrite", False):
+        return
+    delay, rooms, timeout = parse(os.environ[ENV])
+    original = cls._transfer_data
+
+    def transfer_data(self: Any, session_id: str, transfer_blocks: Any) -> Any:
+        room = getattr(_tls, "room", None)
+        if room not in rooms or not transfer_blocks:
+            return original(self, session_id, transfer_blocks)
+        args = (self, session_id, list(transfer_blocks))
+        if timeout is None:
+            return _late(original, delay, room, args, "blocking")
+        threading.Thread(target=_late, args=(original, delay, room, args, "timed_out"), daemon=True).start()
+        time.sleep(timeout)
+        _emit({"event": "engine_timeout", "room": room, "t": time.time(), "timeout_s": timeout})
+        return -1
+
+    cls._transfer_data = transfer_data
+    cls._sglang_harden_latewrite = True
+
+
+def install() -> None:
+    when_imported("sglang.srt.disaggregation.common.utils", _patch_queue)
+    when_imported("sglang.srt.disaggregation.mooncake.conn", _patch_manager)

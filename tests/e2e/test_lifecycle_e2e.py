@@ -1,0 +1,63 @@
+"""Guards II (page lifecycle + page tags) on real CPU PD pairs: a late Mooncake write, vanilla vs hardened.
+
+Scenario and oracles: ``sglang_harden.testbed.latewrite`` (the test-only ``latewrite`` shim makes the engine call
+for request A give up after 1 s while A's bytes land 8 s later; victims B are decoding meanwhile on a decode pool
+small enough that freed pages are reused at once). Per pin (0.5.19 and 0.5.23 first):
+
+- vanilla: at least one victim's prompt KV changes while it decodes, or its greedy output differs from the
+  quiet-server reference (0.5.19 frees at once; 0.5.23 waits for a drain ack that prefill sends as soon as its
+  worker moved on, or for the lowered deferred-release timeout);
+- hardened: 0 corrupted victims, every decode page back at quiesce (nothing left in quarantine), and the
+  request whose page was deliberately mis-owned (``misown`` test hook) is aborted with 500, never generated.
+
+One pair runs at a time and is always stopped (``run_late_write``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.latewrite import run_late_write
+
+pytestmark = pytest.mark.e2e
+
+PINS = ["0.5.19", "0.5.23"]
+
+
+@pytest.fixture(scope="module", params=PINS)
+def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
+    require_pin(request.param)
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def results(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root: Path = tmp_path_factory.mktemp(f"latewrite-{pin}")
+    return {variant: run_late_write(pin, variant == "hardened", root / variant) for variant in ("vanilla", "hardened")}
+
+
+def test_vanilla_late_write_corrupts_a_later_request(results: dict[str, dict[str, Any]]) -> None:
+    res = results["vanilla"]
+    assert res["late_write_landed"], res
+    assert res["corrupted_requests"] >= 1, res
+
+
+def test_hardened_no_corruption_and_pages_back(results: dict[str, dict[str, Any]]) -> None:
+    res = results["hardened"]
+    assert res["late_write_landed"], res
+    assert res["served_requests"] >= 1, res
+    assert res["corrupted_requests"] == 0, res
+    assert res["pages_back_at_quiesce"], res
+    lifecycle = res["decode_pool"]["lifecycle"]
+    assert lifecycle["quarantined_pages"] == 0, lifecycle
+
+
+def test_hardened_misowned_page_is_aborted_not_generated(results: dict[str, dict[str, Any]]) -> None:
+    misowned = results["hardened"]["misowned_page_request"]
+    assert misowned["status"] == 500, misowned
+    assert misowned["output_tokens"] == 0, misowned
+    assert "page ownership" in (misowned["error"] or ""), misowned
