@@ -49,7 +49,7 @@ _CURRENT: list[Any] = []  # the one pair alive now; starting another stops it fi
 def _start(server: Any, **kwargs: Any) -> Iterator[Any]:
     while _CURRENT:
         _CURRENT.pop().stop()
-    pair = server.PDPair(PIN, progress=True, **kwargs).start()
+    pair = server.PDPair(PIN, progress=True, startup_timeout=900.0, **kwargs).start()
     _CURRENT.append(pair)
     try:
         yield pair
