@@ -170,3 +170,20 @@ def _record(
     notes, _ = replay(model, events)
     result.counterexamples[violation.prop] = Counterexample(violation.prop, violation.detail, tuple(events), notes)
     return True
+
+
+def check_policy(
+    policy: str,
+    config: object,
+    disabled: Iterable[str] = (),
+    depth: int = 40,
+    max_states: int | None = None,
+    stop_when: Iterable[str] = (),
+    stop_at_first: bool = True,
+) -> ExploreResult:
+    """Build the model for ``policy`` (with ``disabled`` guards off) and explore it."""
+    from sglang_harden.protocol.policies import make_policy
+
+    disabled = tuple(disabled)
+    model = Model(config, make_policy(policy, config, disabled))  # type: ignore[arg-type]
+    return explore(model, depth, max_states, stop_at_first, disabled, stop_when)
