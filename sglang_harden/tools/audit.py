@@ -243,7 +243,7 @@ def findings(nodes: list[Node]) -> list[Finding]:
                         "pool_below_context",
                         node.url,
                         f"KV pool holds {node.pool_tokens} tokens < context length {node.context_length}; "
-                        f"prompts are limited to {node.max_req_input_len} (raise --max-total-tokens / "
+                        f"prompts must be shorter than {node.max_req_input_len} (raise --max-total-tokens / "
                         "--mem-fraction-static or lower --context-length)",
                     )
                 )
@@ -272,9 +272,9 @@ def _limit_asymmetry(nodes: list[Node]) -> list[Finding]:
         Finding(
             "prefill_limit_below_decode",
             low.url,
-            f"prefill accepts prompts up to {low.max_req_input_len} tokens but decode {high.url} up to "
-            f"{high.max_req_input_len}: a prompt of {low.max_req_input_len + 1}..{high.max_req_input_len} "
-            "tokens is refused by prefill and reserved by decode (the incident's precondition)",
+            f"prefill max_req_input_len {low.max_req_input_len} < decode {high.url} max_req_input_len "
+            f"{high.max_req_input_len}: a prompt of {low.max_req_input_len}..{high.max_req_input_len - 1} tokens "
+            "is refused by prefill and reserved by decode (the incident's precondition)",
         )
     ]
 

@@ -4,12 +4,13 @@ Probes (each: pass | FAIL | not applicable | inconclusive, with the evidence):
 
 - ``determinism``: the same greedy request, repeated with other traffic in between, must give the same output.
   The control that separates KV faults from sampling noise; when it fails, cross-tenant is inconclusive.
-- ``oversize``: a prompt one token above each advertised limit (every node's ``max_req_input_len`` and the
-  context length) must be refused with a 4xx and an error, never answered with 200.
+- ``oversize``: the shortest prompt each advertised limit forbids must be refused with a 4xx and an error,
+  never answered with 200. SGLang's limits are exclusive (``len >= max_req_input_len`` and
+  ``len >= context_length`` are refused), so that prompt is exactly ``limit`` tokens long.
 - ``cross_tenant``: tenant A sends prompts of unique random tokens; tenant B sends the same greedy prompt
-  near the limits (just above the smallest limit when the limits differ -- the incident's window -- and at
-  it) without A's traffic and after different A's. B's output must not change with A's content and must not
-  contain A's tokens.
+  near the limits (the smallest refused length when the limits differ -- the incident's window -- and the
+  longest accepted one) without A's traffic and after different A's. B's output must not change with A's
+  content and must not contain A's tokens.
 - ``echo_canary``: markers at the start, middle and end of a long text prompt must be repeated when asked;
   "not applicable" when a short-prompt control already fails (a tiny or random model).
 
@@ -65,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=int, default=60, help="upper bound on generate requests (60)")
     parser.add_argument("--time-budget", type=float, default=300.0, help="upper bound on wall time, s (300)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per request (default 60)")
-    parser.add_argument("--limit", type=int, action="append", default=[], help="extra prompt limit to probe")
+    parser.add_argument(
+        "--limit", type=int, action="append", default=[], help="extra limit to probe: the shortest refused length"
+    )
     parser.add_argument("--max-token-id", type=int, default=500, help="random prompt ids are < this (500)")
     parser.add_argument("--seed", type=int, help="seed for prompts (default: random)")
     parser.add_argument(
@@ -160,8 +163,8 @@ class Prober:
     def oversize(self) -> ProbeResult:
         failures, evidence = [], []
         for name, limit in sorted(self.target.limits.items(), key=lambda kv: kv[1])[:4]:
-            out = self.send(f"oversize {name}+1", Prompt(ids=self.ids(limit + 1)), max_new_tokens=4)
-            line = f"{limit + 1} tokens (limit {name}={limit}): {out.summary()}"
+            out = self.send(f"oversize {name}", Prompt(ids=self.ids(limit)), max_new_tokens=4)
+            line = f"{limit} tokens (refused from {name}={limit}): {out.summary()}"
             line += f" [{out.detail}]" if out.detail else ""
             evidence.append(line)
             if not (out.refused and out.error):
@@ -171,9 +174,9 @@ class Prober:
         return ProbeResult("oversize", PASS, "every oversized prompt got a 4xx with an error", evidence)
 
     def cross_tenant(self, deterministic: bool | None) -> ProbeResult:
-        lengths = [self.min_limit]
+        lengths = [self.min_limit - 1]  # the longest prompt every node accepts
         if self.min_limit < self.max_limit:
-            lengths.insert(0, self.min_limit + 1)
+            lengths.insert(0, self.min_limit)  # refused by the strictest node, accepted by another
         a_len = max(16, self.min_limit * 4 // 5)
         tenants = {"A1": self.ids(a_len), "A2": self.ids(a_len)}
         evidence: list[str] = []
@@ -264,6 +267,7 @@ def check_loopback(urls: list[str]) -> list[str]:
 
 
 def discover_limits(urls: list[str], timeout_s: float, extra: list[int]) -> tuple[dict[str, int], list[str]]:
+    """name -> the shortest prompt length that limit forbids (SGLang refuses ``len >= limit``)."""
     limits: dict[str, int] = {}
     notes: list[str] = []
     for url in urls:

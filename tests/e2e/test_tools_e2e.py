@@ -121,7 +121,7 @@ def test_probe_fails_on_vanilla_leaking_pair(vanilla_asymmetric: Any) -> None:
     assert probes["determinism"]["verdict"] == "pass"
     oversize = probes["oversize"]
     assert oversize["verdict"] == "FAIL"
-    assert any(e.startswith("251 tokens") and "HTTP 200" in e for e in oversize["evidence"]), oversize
+    assert any(e.startswith("250 tokens") and "HTTP 200" in e for e in oversize["evidence"]), oversize
     cross = probes["cross_tenant"]
     assert cross["verdict"] == "FAIL", cross
     assert any("different greedy outputs" in e or "4-gram" in e for e in cross["evidence"])

@@ -199,7 +199,7 @@ class FakeNode:
             return 200, self._text_answer(text)
         ids = list(ids or [])
         n_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 16))
-        if len(ids) > self.limit:
+        if len(ids) >= self.limit:  # SGLang: validate_input_length refuses len >= max_req_input_len
             if not self.leaky:
                 msg = f"Input length ({len(ids)} tokens) exceeds the maximum allowed length ({self.limit} tokens)."
                 return 400, {"error": {"message": msg}}

@@ -30,7 +30,7 @@ def test_leaky_node_fails_oversize_and_cross_tenant(capsys: pytest.CaptureFixtur
     assert v["oversize"] == "FAIL" and v["cross_tenant"] == "FAIL" and v["determinism"] == "pass"
     assert v["echo_canary"] == "not applicable"
     oversize = next(r for r in data["results"] if r["probe"] == "oversize")
-    assert any("251 tokens" in e and "HTTP 200" in e for e in oversize["evidence"])
+    assert any(e.startswith("250 tokens") and "HTTP 200" in e for e in oversize["evidence"])
     cross = next(r for r in data["results"] if r["probe"] == "cross_tenant")
     assert any("different greedy outputs" in e or "4-gram" in e for e in cross["evidence"])
 
@@ -80,7 +80,7 @@ def test_openai_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
 
     def completions(h, body):  # noqa: ANN001
         ids = body["prompt"]
-        if isinstance(ids, list) and len(ids) > node.limit:
+        if isinstance(ids, list) and len(ids) >= node.limit:
             h.reply(400, {"object": "error", "message": "too long"})
         else:
             h.reply(200, {"choices": [{"text": "ok"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
