@@ -32,7 +32,10 @@ TOO_LONG = "Input length (300 tokens) exceeds the maximum allowed length (250 to
 A_SEEDS = (100, 1, 2)  # the first round is the warm-up
 NORMALS = ((7, 40), (8, 120), (9, 230))  # (seed, prompt length)
 NEW_TOKENS = 16
-PROMPT_FLAGS: dict[str, Sequence[str]] = {"hardened-truncate": ("--allow-auto-truncate",)}
+STARTUP_TIMEOUT_S = 1800.0  # a shared 2-core machine under load has needed more than 10 minutes
+# Both roles: skip SGLang's CUDA peer-to-peer probe, whose import of sgl_kernel.allreduce the CPU stub lacks.
+COMMON_FLAGS = ("--enable-p2p-check",)
+PREFILL_FLAGS: dict[str, Sequence[str]] = {"hardened-truncate": ("--allow-auto-truncate",)}
 
 
 def _progress(msg: str) -> None:
@@ -44,11 +47,12 @@ def _start(variant: str, log_dir: Path) -> PDPair:
     env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
     if hardened:
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
+    prefill_flags = (*COMMON_FLAGS, *PREFILL_FLAGS.get(variant, ()))
     pair = PDPair(PIN, prefill_max_total_tokens=256, decode_max_total_tokens=400, context_length=512,
-                  num_reserved_decode_tokens=32, prefill_flags=PROMPT_FLAGS.get(variant, ()), env=env,
+                  num_reserved_decode_tokens=32, prefill_flags=prefill_flags, decode_flags=COMMON_FLAGS, env=env,
                   decode_env={"SGLANG_HARDEN_TESTBED_KVTRACE_DIR": str(log_dir / "kvtrace")},
                   launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER, log_dir=log_dir,
-                  progress=True)
+                  startup_timeout=STARTUP_TIMEOUT_S, progress=True)
     return pair.start()
 
 
