@@ -67,6 +67,7 @@ def patched_tree(pin: str, dest: Path) -> Path:
 
 def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, Any]:
     env = {"SGLANG_HARDEN_ACTIVATE": "0"}
+    prefill_flags = ["--allow-auto-truncate"] if variant == "patched-truncate" else []
     if tree is not None:
         env.update({"PYTHONPATH": f"{tree}:{SHIMS_DIR}", "SGLANG_HARDEN_CAPACITY": "log"})
     _progress(f"{pin} {variant}: starting pair (logs {log_dir})")
@@ -75,7 +76,7 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
         decode_max_total_tokens=SETUP.decode_max_total_tokens, context_length=SETUP.context_length,
         num_reserved_decode_tokens=SETUP.num_reserved_decode_tokens,
         env={WAITING_TIMEOUT_ENV: str(SETUP.waiting_timeout_s), **env},
-        decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")}, log_dir=log_dir,
+        decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")}, prefill_flags=prefill_flags, log_dir=log_dir,
         startup_timeout=STARTUP_TIMEOUT_S, progress=True,
     ).start()
     rounds: list[RoundResult] = []
@@ -98,7 +99,8 @@ def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
         key = (pin, variant)
         if key not in _runs:  # one start per variant: a failed start is remembered, never retried
             try:
-                tree = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}")) if variant == "patched" else None
+                patched = variant.startswith("patched")
+                tree = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}")) if patched else None
                 _runs[key] = _run(pin, variant, tmp_path_factory.mktemp(f"{variant}-{pin}"), tree)
             except Exception as exc:  # noqa: BLE001 - re-raised for every test that needs this run
                 _runs[key] = {"error": exc}
@@ -139,3 +141,17 @@ def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
         assert v.a.decode.ok and p.a.decode.ok, (v.a.decode.summary(), p.a.decode.summary())
         assert p.a.decode.output_ids == v.a.decode.output_ids
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_coverage_refuses_a_short_transfer(incident: Any, pin: str) -> None:
+    """Prefill with --allow-auto-truncate serves B truncated to its limit (no rejection, so the doors and the
+    notice do not fire) and sends KV for 250 tokens; decode reserved 300. The coverage check must refuse it."""
+    for rnd in incident(pin, "patched-truncate")["rounds"]:
+        b = rnd.b
+        assert b.decode.status == 500, b.decode.summary()
+        assert "KV coverage mismatch" in b.decode.error_message(), b.decode.error_message()
+        assert f"decode reserved {SETUP.b_len} tokens" in b.decode.error_message()
+        assert not b.decode.output_ids
+        assert rnd.a_rows_read_by_b == 0
+        assert rnd.a.decode.ok
