@@ -105,9 +105,7 @@ class PageLedger:
         """Give ``pages`` (all FREE) to ``owner``; return the generation naming this reservation."""
         for page in pages:
             if self._state[page] != PageState.FREE:
-                raise LedgerError(
-                    f"page {page} is {self.state(page).name} (owner {self.owner(page)}), not FREE"
-                )
+                raise LedgerError(f"page {page} is {self.state(page).name} (owner {self.owner(page)}), not FREE")
         generation = self._next_generation
         self._next_generation += 1
         owner_id = self._intern(owner)
@@ -224,9 +222,7 @@ class PageLedger:
             self._pages_held[owner_id] = 0
         return owner_id
 
-    def _move(
-        self, owner: str, pages: Iterable[int], allowed: tuple[int, ...], target: PageState
-    ) -> list[int]:
+    def _move(self, owner: str, pages: Iterable[int], allowed: tuple[int, ...], target: PageState) -> list[int]:
         owner_id = self._owner_ids.get(owner, NO_OWNER)
         refused = []
         for page in pages:

@@ -1,4 +1,8 @@
-"""``sglang-harden model check``: explore the PD handoff model under one policy and report."""
+"""``sglang-harden model check``: explore the PD handoff model under one policy and report.
+
+Exit status: 0 no violation, 1 a counterexample was found, 2 bad arguments or a configuration the capacity
+gate refuses.
+"""
 
 from __future__ import annotations
 
@@ -89,6 +93,7 @@ def _report(result: ExploreResult, config: object, disabled: tuple[str, ...], as
             "depth": result.depth_reached,
             "exhausted": result.exhausted,
             "seconds": round(result.seconds, 3),
+            "cpu_seconds": round(result.cpu_seconds, 3),
             "violations": [ce.to_json() for ce in result.counterexamples.values()],
             "not_modelled": unmodelled,
             "config": repr(config),

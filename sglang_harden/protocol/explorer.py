@@ -46,6 +46,7 @@ class ExploreResult:
     depth_reached: int = 0
     exhausted: bool = False
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     counterexamples: dict[str, Counterexample] = field(default_factory=dict)
     stop_at_first: bool = True
     truncated: bool = False
@@ -59,7 +60,8 @@ class ExploreResult:
         found = ", ".join(self.counterexamples) or "none"
         return (
             f"policy={self.policy} disabled={','.join(self.disabled) or '-'}: {self.states:,} distinct states, "
-            f"{self.transitions:,} transitions, {bound}, {self.seconds:.1f}s; violations: {found}"
+            f"{self.transitions:,} transitions, {bound}, {self.seconds:.1f}s wall / {self.cpu_seconds:.1f}s cpu; "
+            f"violations: {found}"
         )
 
 
@@ -87,7 +89,7 @@ def explore(
     ``stop_when`` (default: all of them) has a counterexample."""
     targets = set(stop_when) or set(PROPERTIES)
     result = ExploreResult(model.policy.name, tuple(disabled), stop_at_first=stop_at_first)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     root = model.initial()
     parents: dict[int, tuple[int, Event] | None] = {hash(root): None}
     frontier = [root]
@@ -99,6 +101,7 @@ def explore(
             if _expand(model, state, parents, next_frontier, result, level < depth):
                 result.states = len(parents)
                 result.seconds = time.perf_counter() - started
+                result.cpu_seconds = time.process_time() - cpu_started
                 if stop_at_first or targets <= set(result.counterexamples):
                     return result
             if max_states is not None and len(parents) >= max_states:
@@ -110,6 +113,7 @@ def explore(
     result.exhausted = not frontier and not result.truncated and not hit_cap
     result.states = len(parents)
     result.seconds = time.perf_counter() - started
+    result.cpu_seconds = time.process_time() - cpu_started
     return result
 
 

@@ -162,7 +162,8 @@ class Model:
         self._violations, self._note = [], ""
         kind, r = event
         getattr(self, "_" + kind)(w, r)
-        self._settle_drained(w)
+        if self.policy.holds_pages:
+            self._settle_drained(w)
         return w.freeze(), self._violations, self._note
 
     def _flag(self, prop: str, detail: str) -> None:

@@ -50,6 +50,7 @@ class VanillaPolicy:
     """Upstream SGLang <= 0.5.19, default settings."""
 
     name = "vanilla"
+    holds_pages = False  # nothing is ever quarantined or held, so nothing needs settling
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
@@ -131,6 +132,7 @@ class HardenedPolicy(VanillaPolicy):
     """The plugin's rules: each hook calls the guard's decision function unless that guard is disabled."""
 
     name = "hardened"
+    holds_pages = True
 
     def __init__(self, config: ModelConfig, disabled: Iterable[str] = ()) -> None:
         super().__init__(config)
