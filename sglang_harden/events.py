@@ -45,7 +45,11 @@ def _prometheus_counter() -> object | None:
 
 
 def record(decision: Decision, mode: Mode, **context: object) -> bool:
-    """Count and log ``decision``; return True when the caller must apply it (mode is enforce)."""
+    """Count and log ``decision``; return True when the caller must apply it (mode is enforce).
+
+    A guard in ``off`` mode decides nothing: no count, no log line, never applied."""
+    if mode is Mode.OFF:
+        return False
     applied = mode is Mode.ENFORCE
     label = decision.verdict.value if applied or decision.allows else f"{decision.verdict.value}_logged"
     with _lock:

@@ -48,11 +48,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     os.environ.update(env)
     os.environ[ACTIVATE_ENV] = "1"
-    from sglang_harden.compat import activate
+    from sglang_harden.compat import activate, reconfigure
     from sglang_harden.compat.runtime import HardenRefusal
 
     try:
         activate(source="launcher")
+        reconfigure()
     except HardenRefusal as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(78) from None

@@ -15,9 +15,10 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from sglang_harden._importhook import when_imported
 from sglang_harden.compat import hooks
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
-from sglang_harden.config import Mode
+from sglang_harden.config import GUARDS, Mode, load_config
 
 logger = logging.getLogger("sglang_harden")
 
@@ -76,26 +77,38 @@ def activate(source: str) -> Activation:
         module_name = family_module_for(pin, RUNTIME.config.allow_unknown_pin)
         family = importlib.import_module(f"sglang_harden.compat.{module_name}")
         RUNTIME.family = family.FAMILY
-        enabled = [h for h in family.HOOKS if _owner_enabled(h.owner)]
-        for hook in enabled:
-            hooks.register(hook)
-        RUNTIME.armed = tuple(sorted({h.owner for h in enabled} - {"startup"}))
+        enabled = _register_enabled(family.HOOKS)
         for module, callback in family.MODULE_CALLBACKS.items():
-            from sglang_harden._importhook import when_imported
-
             when_imported(module, callback)
         _active = Activation(pin or "none", family.FAMILY, source, tuple(h.target for h in enabled))
         return _active
 
 
+def reconfigure() -> None:
+    """Re-read the configuration after the environment changed (the launcher, armed early by the start-up
+    hook, learns its ``--harden-*`` options only afterwards); arms guards that became enabled."""
+    with _lock:
+        if _active is None:
+            return
+        RUNTIME.config = load_config()
+        _register_enabled(_family_hooks(_active.pin))
+
+
+def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
+    enabled = [h for h in family_hooks if _owner_enabled(h.owner)]
+    for hook in enabled:
+        hooks.register(hook)
+    RUNTIME.armed = tuple(sorted({h.owner for h in enabled} & set(GUARDS)))
+    return enabled
+
+
 def _owner_enabled(owner: str) -> bool:
-    if owner == "startup":
-        return True
-    return RUNTIME.config.mode(owner) is not Mode.OFF
+    return owner not in GUARDS or RUNTIME.config.mode(owner) is not Mode.OFF
 
 
 def _family_hooks(pin: str | None) -> list[hooks.Hook]:
-    module = importlib.import_module(f"sglang_harden.compat.{SUPPORTED_PINS[pin or '']}")
+    name = SUPPORTED_PINS.get(pin or "", "sglang_v05")
+    module = importlib.import_module(f"sglang_harden.compat.{name}")
     return list(module.HOOKS)
 
 

@@ -328,7 +328,9 @@ def _tokenizer_learns_limit(module: Any) -> None:
 
 
 def _verify_in_process(role: str) -> None:
-    needed = [h for h in HOOKS if role in ROLES_BY_OWNER.get(h.owner, {role})]
+    from sglang_harden.compat.hooks import registered_hooks
+
+    needed = [h for h in registered_hooks() if role in ROLES_BY_OWNER.get(h.owner, {role})]
     gaps = missing(needed)
     if gaps:
         raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))
