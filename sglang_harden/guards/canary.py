@@ -1,0 +1,224 @@
+"""Canary guard: decode commits a transfer only if every page it reserved for that transfer was written.
+
+Invariant: a page decode reserved for an incoming transfer is read by the request only after this
+transfer wrote it. A reserved page still holding what it held before (the previous owner's KV: the stale
+page of the incident) aborts the request before its first decode step. Cheap enough to stay on always; the
+digest (:mod:`.checksum`) is the thorough byte check, this is the precise "page never written" one.
+
+Two sources of evidence, used alone or together:
+
+* **Stamp in a fixed slot** (memory truth, needs no cooperation from the sender). At reservation, decode
+  writes a 64-bit marker into the first 8 bytes of one token row (head 0) of each reserved page, in a few
+  chosen layer buffers (first layer K and last layer V catch transfers cut short at either end). A transfer
+  writes whole pages, so it overwrites the marker; before commit, any reserved page whose slot still holds
+  the marker was never written. The marker is a fresh 64-bit value per reservation (:func:`new_marker`), so a
+  real KV row matches it with probability 2**-64 and an old stamp never reads as "written". Helpers:
+  :func:`stamp`, :func:`still_stamped` (torch; CPU or CUDA).
+  Ordering hazard: the stamp is a write into pages the sender will write. It must complete (stream
+  synchronised, :func:`stamp` does it) *before* decode hands the page indices to prefill, and must never be
+  re-applied to pages with a transfer in flight. Only pages freshly reserved for the transfer are stamped,
+  never pages holding the request's cached prefix.
+* **Write bitmap** (:class:`WriteBitmap`), fed by the transfer completion path with the pages each finished
+  chunk covered, where the backend reports that (in-process/fake transfer, NIXL notifications, prefill-side
+  bookkeeping). A write reported for a page outside the reservation is itself an abort (foreign write).
+
+Relation to upstream ``--kv-canary`` (0.5.13+, default ``none``): upstream keeps separate per-token canary
+buffers (token id, position, a chained hash, optionally a hash of the first bytes of layer-0 KV) written by
+the model forward and verified before attention, and in PD splices those buffers into the transfer buffer
+list (a head entry before the K layers, a tail after) so they travel with the KV; a reserved page the
+transfer skipped keeps the previous owner's canary and fails the chain check at decode's forward. Its
+verdict is per server (``log`` logs, ``raise`` fails the process), not a per-request abort before commit,
+it costs extra memory and kernels, and pins before 0.5.13 lack it. Ours is per request, before commit, on
+every pin, with no extra memory. They coexist: our stamp lives in the KV data rows, which the transfer
+overwrites, not in upstream's canary buffers, and upstream's canary verifies rows written by forward, which
+our stamp never touches after commit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_harden.guards.base import Decision, Verdict, allow
+from sglang_harden.kernels.digest_spec import MASK64, mix64, to_signed64
+
+GUARD = "canary"
+ABORT_STATUS = 500
+MAX_LISTED = 8
+
+_counter = 0
+
+
+def new_marker(rid: str = "") -> int:
+    """A fresh nonzero 64-bit marker for one reservation (unique per process, unpredictable)."""
+    global _counter
+    _counter += 1
+    value = mix64(int.from_bytes(os.urandom(8), "little") ^ hash(rid) ^ (_counter << 32) ^ os.getpid())
+    return value or 1
+
+
+# ------------------------------------------------------------------------------------------- decisions
+
+
+def decide_commit(rid: str, reserved_pages: Sequence[int], unwritten_pages: Iterable[int]) -> Decision:
+    """ALLOW when no reserved page is still unwritten; else ABORT naming (some of) the pages."""
+    missing = sorted(set(unwritten_pages))
+    fields: dict[str, object] = {"rid": rid, "reserved_pages": len(reserved_pages)}
+    if not missing:
+        return allow(GUARD, **fields)
+    reason = (
+        f"request {rid}: {len(missing)} of {len(reserved_pages)} reserved KV pages were never written by "
+        f"its transfer (e.g. {missing[:MAX_LISTED]}); they still hold a previous owner's KV"
+    )
+    return Decision(
+        GUARD,
+        Verdict.ABORT,
+        reason,
+        ABORT_STATUS,
+        {**fields, "unwritten_pages": missing[:MAX_LISTED], "unwritten_count": len(missing)},
+    )
+
+
+def decide_foreign_write(rid: str, pages: Iterable[int]) -> Decision:
+    """ABORT: the transfer for ``rid`` reported writing pages decode never reserved for it."""
+    listed = sorted(set(pages))
+    reason = (
+        f"request {rid}: transfer wrote {len(listed)} KV pages outside its reservation (e.g. {listed[:MAX_LISTED]})"
+    )
+    return Decision(
+        GUARD,
+        Verdict.ABORT,
+        reason,
+        ABORT_STATUS,
+        {"rid": rid, "foreign_pages": listed[:MAX_LISTED], "foreign_count": len(listed)},
+    )
+
+
+@dataclass
+class WriteBitmap:
+    """Per-request bitmap of reserved pages, set by the transfer completion path."""
+
+    rid: str
+    pages: tuple[int, ...]
+    _index: dict[int, int] = field(init=False, repr=False)
+    _bits: int = field(init=False, default=0, repr=False)
+    _foreign: set[int] = field(init=False, default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {page: i for i, page in enumerate(self.pages)}
+
+    def mark_written(self, pages: Iterable[int]) -> Decision | None:
+        """Record pages a finished chunk wrote; an ABORT decision if any was not reserved for this request."""
+        foreign = []
+        for page in pages:
+            i = self._index.get(page)
+            if i is None:
+                foreign.append(page)
+            else:
+                self._bits |= 1 << i
+        if foreign:
+            self._foreign.update(foreign)
+            return decide_foreign_write(self.rid, foreign)
+        return None
+
+    def unwritten(self) -> list[int]:
+        return [page for page, i in self._index.items() if not self._bits >> i & 1]
+
+    def check(self) -> Decision:
+        if self._foreign:
+            return decide_foreign_write(self.rid, self._foreign)
+        return decide_commit(self.rid, self.pages, self.unwritten())
+
+
+class CanaryLedger:
+    """Write bitmaps of the reservations in flight on one decode rank, by request id."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, WriteBitmap] = {}
+
+    def reserve(self, rid: str, pages: Sequence[int]) -> WriteBitmap:
+        bitmap = WriteBitmap(rid, tuple(pages))
+        self._live[rid] = bitmap
+        return bitmap
+
+    def mark_written(self, rid: str, pages: Iterable[int]) -> Decision | None:
+        bitmap = self._live.get(rid)
+        if bitmap is None:
+            return decide_foreign_write(rid, pages)
+        return bitmap.mark_written(pages)
+
+    def check(self, rid: str) -> Decision:
+        bitmap = self._live.get(rid)
+        if bitmap is None:
+            return Decision(
+                GUARD,
+                Verdict.ABORT,
+                f"request {rid}: no reservation recorded for its transfer",
+                ABORT_STATUS,
+                {"rid": rid},
+            )
+        return bitmap.check()
+
+    def release(self, rid: str) -> None:
+        self._live.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+# --------------------------------------------------------------------------------------- torch helpers
+
+
+def stamp_slots(pages: Sequence[int], page_size: int, first_offset: int = 0) -> list[int]:
+    """The token slot stamped in each page: its first sent token (``first_offset`` in the first page)."""
+    return [page * page_size + (first_offset if i == 0 else 0) for i, page in enumerate(pages)]
+
+
+def _marker_column(buffer: Any) -> Any:
+    """The first 8 bytes of every token row of ``buffer`` (``[slots, heads, dim]``) as one int64 column."""
+    import torch
+
+    rows = buffer.view(torch.uint8).reshape(buffer.shape[0], -1)
+    if rows.shape[1] < 8:
+        raise ValueError("a token row must hold at least 8 bytes to carry a canary stamp")
+    return rows[:, :8].view(torch.int64).squeeze(1)
+
+
+def stamp(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int, synchronize: bool = True) -> None:
+    """Write ``marker`` into the fixed slot of each reserved page, in every buffer of ``buffers``.
+
+    Call at reservation, before the page indices reach the sender; ``synchronize`` waits for the device.
+    """
+    import torch
+
+    for buffer in buffers:
+        column = _marker_column(buffer)
+        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
+        column.index_fill_(0, idx, to_signed64(marker))
+    if synchronize and buffers and buffers[0].is_cuda:
+        torch.cuda.synchronize(buffers[0].device)
+
+
+def still_stamped(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int) -> list[int]:
+    """Positions (into ``slots``) whose fixed slot still holds ``marker`` in any of ``buffers``."""
+    import torch
+
+    hit = None
+    for buffer in buffers:
+        column = _marker_column(buffer)
+        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
+        same = column.index_select(0, idx) == to_signed64(marker)
+        hit = same if hit is None else hit | same
+    if hit is None:
+        return []
+    return torch.nonzero(hit).flatten().tolist()
+
+
+def check_stamps(
+    rid: str, buffers: Sequence[Any], pages: Sequence[int], page_size: int, marker: int, first_offset: int = 0
+) -> Decision:
+    """The commit decision from the stamps alone."""
+    positions = still_stamped(buffers, stamp_slots(pages, page_size, first_offset), marker & MASK64)
+    return decide_commit(rid, pages, [pages[i] for i in positions])
