@@ -33,8 +33,10 @@ A_SEEDS = (100, 1, 2)  # the first round is the warm-up
 NORMALS = ((7, 40), (8, 120), (9, 230))  # (seed, prompt length)
 NEW_TOKENS = 16
 STARTUP_TIMEOUT_S = 1800.0  # a shared 2-core machine under load has needed more than 10 minutes
-# Both roles: skip SGLang's CUDA peer-to-peer probe, whose import of sgl_kernel.allreduce the CPU stub lacks.
-COMMON_FLAGS = ("--enable-p2p-check",)
+# 0.4.9 imports its custom all-reduce at start-up, which reads ``sgl_kernel.allreduce`` (absent from the CPU
+# stub). On the vLLM branch it probes ``torch.ops._C_custom_ar`` instead, fails, and takes its CPU path.
+CPU_ENV = {"USE_VLLM_CUSTOM_ALLREDUCE": "1"}
+COMMON_FLAGS: tuple[str, ...] = ()
 PREFILL_FLAGS: dict[str, Sequence[str]] = {"hardened-truncate": ("--allow-auto-truncate",)}
 
 
@@ -44,7 +46,7 @@ def _progress(msg: str) -> None:
 
 def _start(variant: str, log_dir: Path) -> PDPair:
     hardened = variant.startswith("hardened")
-    env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
+    env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30", **CPU_ENV}
     if hardened:
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
     prefill_flags = (*COMMON_FLAGS, *PREFILL_FLAGS.get(variant, ()))
