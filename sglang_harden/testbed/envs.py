@@ -288,7 +288,8 @@ def ensure_bytecode(pin: str, log: Log) -> None:
 
 def package_sources_hash(root: Path = REPO_ROOT) -> str:
     digest = hashlib.sha256()
-    files = [root / "pyproject.toml", *sorted((root / "sglang_harden").rglob("*"))]
+    files = [root / "pyproject.toml", *sorted((root / "sglang_harden").rglob("*")),
+             *sorted((root / "patches").rglob("*"))]
     for path in files:
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
             digest.update(str(path.relative_to(root)).encode())
@@ -305,6 +306,7 @@ def _snapshot_sources(root: Path, dest: Path) -> None:
         (dest / "README.md").write_text("sglang-harden\n")
     shutil.copytree(root / "sglang_harden", dest / "sglang_harden",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(root / "patches", dest / "patches", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
 def install_package(pin: str, log: Log = _stderr, root: Path = REPO_ROOT, force: bool = False) -> bool:

@@ -66,11 +66,14 @@ class Report:
 
 
 def default_patches_dir() -> Path:
-    """``$SGLANG_HARDEN_PATCHES``, else ``patches/`` of this checkout."""
+    """``$SGLANG_HARDEN_PATCHES``, else ``patches/`` of this checkout, else the copy shipped in the wheel."""
     override = os.environ.get(PATCHES_ENV)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[2] / "patches"
+    checkout = Path(__file__).resolve().parents[2] / "patches"
+    if checkout.is_dir():
+        return checkout
+    return Path(__file__).resolve().parents[1] / "_patches"
 
 
 def available_pins(patches_dir: Path) -> list[str]:
