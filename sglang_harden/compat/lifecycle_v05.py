@@ -58,6 +58,7 @@ MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 SCHEDULER = "sglang.srt.managers.scheduler"
 ALLOC_TOKEN = "sglang.srt.mem_cache.allocator.token"
 ALLOC_PAGED = "sglang.srt.mem_cache.allocator.paged"
+INVARIANTS = "sglang.srt.managers.scheduler_components.invariant_checker"
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 WINDOW_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
@@ -250,6 +251,9 @@ class DecodeNode:
             _set_gauge(self.ledger.quarantined_count())
         return freed
 
+    def held_tokens(self) -> int:
+        return self.ledger.quarantined_count() * self.page_size
+
     def report(self) -> dict[str, Any]:
         cap = self.cap if self.cap > 0 else lifecycle.default_quarantine_cap(self.ledger.num_pages)
         return {
@@ -278,6 +282,7 @@ class PrefillNode:
     pending: dict[int, list[int]] = field(default_factory=dict)
     failed_writes: dict[int, float] = field(default_factory=dict)
     stashed_acks: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
+    orphan_targets: dict[int, Any] = field(default_factory=dict)
     lifetime_s: float = 30.0
 
     @classmethod
@@ -342,6 +347,8 @@ class PrefillNode:
         for room in [r for r in self.pending if self.settled(r)]:
             freed.extend(self.pending.pop(room))
             self._settle(room)
+        for room in [r for r in self.orphan_targets if self.settled(r)]:
+            _send_orphan_ack(self.kv_mgr, room, self.orphan_targets.pop(room))
         for room in [r for r in self.stashed_acks if self.settled(r)]:
             for send in self.stashed_acks.pop(room):
                 send()
@@ -350,7 +357,10 @@ class PrefillNode:
         return freed
 
     def busy(self) -> bool:
-        return bool(self.pending or self.stashed_acks or self.failed_writes)
+        return bool(self.pending or self.stashed_acks or self.failed_writes or self.orphan_targets)
+
+    def held_tokens(self) -> int:
+        return sum(len(p) for p in self.pending.values()) * self.page_size
 
     def report(self) -> dict[str, Any]:
         return {
@@ -359,8 +369,20 @@ class PrefillNode:
             "source_pages_held_back": sum(len(p) for p in self.pending.values()),
             "rooms_unsettled": len(self.pending),
             "drain_acks_withheld": sum(len(a) for a in self.stashed_acks.values()),
+            "ack_targets_kept_past_clear": len(self.orphan_targets),
             "rooms_with_failed_writes": len(self.failed_writes),
         }
+
+
+def _send_orphan_ack(mgr: Any, room: int, target: Any) -> None:
+    """The drain ack whose target SGLang's sender.clear() dropped while the room was still being written."""
+    try:
+        if isinstance(target, tuple):  # 0.5.19/0.5.20: (decode_ip, decode_port)
+            mgr._send_abort_ack(target[0], target[1], room)
+        else:  # 0.5.21+: {(ip, port): AckTarget}
+            mgr._send_abort_acks(room, target)
+    except Exception as exc:  # noqa: BLE001 - the decode side then keeps its pages quarantined
+        logger.warning("sglang-harden lifecycle: drain ack for room %s not sent: %r", room, exc)
 
 
 NODE: DecodeNode | PrefillNode | None = None
@@ -619,6 +641,35 @@ def _settle_after_inflight(original: Func) -> Func:
     return process
 
 
+def _keep_ack_target(original: Func) -> Func:
+    """SGLang's sender.clear() drops a room's drain-ack target (0.5.19: even while a chunk is still being
+    written, so decode never gets its ack). Keep it until the room settled, then send the ack ourselves."""
+
+    def clear(self: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        room = getattr(self, "bootstrap_room", None)
+        if isinstance(node, PrefillNode) and room is not None:
+            target = getattr(self.kv_mgr, "_deferred_ack_targets", {}).get(room)
+            node.kv_mgr = node.kv_mgr or self.kv_mgr
+            if target is not None and not node.settled(int(room)):
+                node.orphan_targets[int(room)] = target
+        return original(self, *args, **kwargs)
+
+    return clear
+
+
+def _account_held_pages(original: Func) -> Func:
+    """SGLang's idle leak check counts every page; pages we hold back are accounted, not leaked."""
+
+    def check(pool_name: str, available: int, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if node is not None and pool_name == "full":
+            available = available + node.held_tokens()
+        return original(pool_name, available, *args, **kwargs)
+
+    return check
+
+
 # ---------------------------------------------------------------- bounded transfer window (pins without the env)
 
 
@@ -701,6 +752,9 @@ HOOKS: list[Hook] = [
          ("self", "mooncake_session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor"),
          _send_kvcache),
     Hook("lifecycle", CONN, "CommonKVManager._send_abort_ack", ("self",), _withhold_ack),
+    Hook("lifecycle", CONN, "CommonKVSender.clear", ("self",), _keep_ack_target),
+    Hook("lifecycle", INVARIANTS, "SchedulerInvariantChecker._check_pool_invariant",
+         ("pool_name", "available", "evictable", "protected", "session_held", "total"), _account_held_pages),
     Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _commit_with_tags),
 ]

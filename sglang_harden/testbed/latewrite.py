@@ -210,3 +210,32 @@ def run_late_write(pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetu
     result["verdict"] = ("corrupted" if result["corrupted_requests"] else "clean") + (
         "" if result["pages_back_at_quiesce"] else ", pages missing at quiesce")
     return result
+
+
+def collect_report(pins: list[str], variants: tuple[str, ...] = ("vanilla", "hardened"),
+                   setup: LateWriteSetup = LateWriteSetup(), root: Path | None = None,
+                   say: Progress = None) -> dict[str, Any]:
+    """``{"scenario": "late-write", "pins": {pin: {variant: result}}, "ok": bool}``; pairs run one at a time.
+
+    ``ok``: every hardened run is clean with every page back at quiesce and no run errored (what CI gates on;
+    for ``sglang-harden demo --scenario late-write``)."""
+    import tempfile
+
+    say = say or (lambda _m: None)
+    root = root or Path(tempfile.mkdtemp(prefix="sglang-harden-latewrite-"))
+    report: dict[str, Any] = {"scenario": "late-write", "pins": {}, "ok": True}
+    for pin in pins:
+        report["pins"][pin] = {}
+        for variant in variants:
+            say(f"{pin} {variant}: starting (logs {root / pin / variant})")
+            started = time.monotonic()
+            try:
+                res = run_late_write(pin, variant == "hardened", root / pin / variant, setup, say)
+            except Exception as exc:  # noqa: BLE001 - one broken pin must not hide the others
+                res = {"verdict": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            res["wall_s"] = round(time.monotonic() - started, 1)
+            report["pins"][pin][variant] = res
+            say(f"{pin} {variant}: {res.get('verdict')}")
+            if res.get("verdict") == "error" or (variant == "hardened" and res.get("verdict") != "clean"):
+                report["ok"] = False
+    return report

@@ -273,3 +273,37 @@ def test_prefill_withholds_drain_ack_and_sources_after_a_failed_write(sglang_mod
         assert alloc.available_size() == POOL
     finally:
         lifecycle_v05.NODE = None
+
+
+def test_ack_target_survives_sender_clear_until_the_write_drained(sglang_modules: dict[str, Any]) -> None:
+    """0.5.19: sender.clear() drops the drain-ack target while a chunk is still being written; we keep it."""
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    lifecycle_v05.NODE = node
+    try:
+        sent: list[tuple[Any, ...]] = []
+        mgr = SimpleNamespace(request_status={}, _staging_outstanding={ROOM_A: 1}, transfer_infos={},
+                              _deferred_ack_targets={ROOM_A: ("127.0.0.1", 9)},
+                              _send_abort_ack=lambda ip, port, room: sent.append((ip, port, room)))
+        sender = SimpleNamespace(bootstrap_room=ROOM_A, kv_mgr=mgr)
+        lifecycle_v05._keep_ack_target(lambda self: self.kv_mgr._deferred_ack_targets.pop(ROOM_A))(sender)
+        assert mgr._deferred_ack_targets == {}
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert sent == [], "still being written"
+        mgr._staging_outstanding[ROOM_A] = 0
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert sent == [("127.0.0.1", 9, ROOM_A)]
+    finally:
+        lifecycle_v05.NODE = None
+
+
+def test_idle_leak_check_counts_quarantined_pages(allocator: Any) -> None:
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(10)
+    _publish(Receiver(ROOM_A), a)
+    allocator.free(a)
+    leak, msg = SchedulerInvariantChecker._check_pool_invariant("full", allocator.available_size(), 0, 0, 0, POOL)
+    assert not leak, msg

@@ -7,7 +7,9 @@ listed bootstrap rooms (``MooncakeKVManager._transfer_data``, the call into the 
   Mooncake serialises all rooms of one decode session on one queue, so later transfers wait behind it);
 - with ``timeout=<s>``: the engine call gives up after ``s`` seconds and reports failure (-1), while the write
   itself still lands ``delay_s`` after it started, from another thread: a timed-out batch whose bytes are
-  still on the wire. This is the path upstream's drain ack cannot see (the worker has moved on).
+  still on the wire. This is the path upstream's drain ack cannot see (the worker has moved on). A failed
+  engine call makes prefill blacklist the decode session; 0.5s later the shim un-blacklists it the way
+  upstream's failed-session probe does on recovery (``_run_one_probe_pass``), so later requests flow again.
 
 Each late write is logged as one JSON line (room, when it started and landed) to
 ``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/latewrite-<pid>.jsonl``. The room of the chunk being written is taken
@@ -75,6 +77,12 @@ def _late(original: Any, delay: float, room: int, args: tuple[Any, ...], mode: s
     return int(status)
 
 
+def _probe_recovers(mgr: Any, session_id: str) -> None:
+    with mgr.session_lock:
+        mgr.failed_sessions.discard(session_id)
+        mgr.session_failures.pop(session_id, None)
+
+
 def _patch_manager(module: ModuleType) -> None:
     cls = module.MooncakeKVManager
     if getattr(cls, "_sglang_harden_latewrite", False):
@@ -92,6 +100,7 @@ def _patch_manager(module: ModuleType) -> None:
         threading.Thread(target=_late, args=(original, delay, room, args, "timed_out"), daemon=True).start()
         time.sleep(timeout)
         _emit({"event": "engine_timeout", "room": room, "t": time.time(), "timeout_s": timeout})
+        threading.Timer(0.5, _probe_recovers, (self, session_id)).start()
         return -1
 
     cls._transfer_data = transfer_data
