@@ -25,7 +25,8 @@ from sglang_harden.kernels.digest_spec import (
     to_signed64,
 )
 
-DEFAULT_CHUNK_BYTES = 1 << 19
+DEFAULT_CHUNK_BYTES = 1 << 19  # CPU: keep the widened chunk in L2
+CUDA_CHUNK_BYTES = 1 << 28  # CUDA: few large launches
 _MIX1 = to_signed64(0xBF58476D1CE4E5B9)
 _MIX2 = to_signed64(0x94D049BB133111EB)
 
@@ -87,12 +88,14 @@ def digest_torch(
     slots: Sequence[int] | torch.Tensor,
     layout: KVLayout,
     start_token: int = 0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> tuple[int, ...]:
     """Per-head digests ``D_h`` (local head order) of the rows at pool ``slots`` (send order)."""
     check_layout(layout)
     halves = layer_halves(k_buffers, v_buffers, layout)
     device = halves[0].device
+    if chunk_bytes is None:
+        chunk_bytes = CUDA_CHUNK_BYTES if device.type == "cuda" else DEFAULT_CHUNK_BYTES
     idx = torch.as_tensor(slots, dtype=torch.int64).to(device)
     rows = row_hashes_torch(halves, idx, layout, chunk_bytes)
     keys = row_keys_torch(len(halves), idx.numel(), start_token, device)

@@ -53,6 +53,9 @@ def _digest_kernel(
     WORDS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    KEY: tl.constexpr,
+    SHIFT: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     lh = tl.program_id(0)
     tb = tl.program_id(1)
@@ -64,13 +67,16 @@ def _digest_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     w_ok = offs_w < WORDS
     row = slot * stride_slot + head * stride_head
+    if ALIGNED:  # 16-byte aligned rows: lets the compiler use 128-bit loads
+        base = tl.multiple_of(base, 16)
+        row = tl.multiple_of(row, 4)
     x = tl.load(base + row[:, None] + offs_w[None, :], mask=t_ok[:, None] & w_ok[None, :], other=0)
     mult = tl.load(mult_ptr + offs_w, mask=w_ok, other=0).to(tl.uint64, bitcast=True)
     wide = x.to(tl.int64).to(tl.uint64, bitcast=True)
     r = tl.sum(wide * mult[None, :], axis=1)
     token = (start_token + offs_t).to(tl.uint64)
-    lh_bits = lh.to(tl.uint64) << LAYER_HALF_SHIFT
-    key = _mix64((token ^ lh_bits) ^ KEY_SALT)
+    lh_bits = lh.to(tl.uint64) << SHIFT
+    key = _mix64((token ^ lh_bits) ^ KEY)
     contrib = tl.where(t_ok, _mix64(r + key), 0)
     total = tl.sum(contrib, axis=0)
     tl.store(partial_ptr + (lh * n_blocks + tb) * HEADS + head, total.to(tl.int64, bitcast=True))
@@ -100,6 +106,9 @@ class TritonDigester:
         self.table = torch.tensor([h.data_ptr() for h in halves], dtype=torch.int64, device=self.device)
         words = layout.words_per_row
         self.mult = torch.tensor([to_signed64(m) for m in multipliers(words)], dtype=torch.int64, device=self.device)
+        self.aligned = (
+            all(h.data_ptr() % 16 == 0 for h in halves) and self.stride_slot % 4 == 0 and self.stride_head % 4 == 0
+        )
         self.block_t = block_t
         self.block_w = triton.next_power_of_2(words)
 
@@ -125,6 +134,9 @@ class TritonDigester:
                 WORDS=self.layout.words_per_row,
                 BLOCK_T=self.block_t,
                 BLOCK_W=self.block_w,
+                KEY=KEY_SALT,
+                SHIFT=LAYER_HALF_SHIFT,
+                ALIGNED=self.aligned,
             )
         return partial.sum(dim=(0, 1))
 
