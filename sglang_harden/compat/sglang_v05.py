@@ -38,6 +38,12 @@ Func = Callable[..., Any]
 # ---------------------------------------------------------------- reading SGLang objects
 
 
+def largest_accepted_prompt(scheduler: Any) -> int | None:
+    """SGLang refuses ``len(prompt) >= max_req_input_len``, so the largest prompt it serves is one less."""
+    limit = getattr(scheduler, "max_req_input_len", None)
+    return None if limit is None else int(limit) - 1
+
+
 def pending_rejection(req: Any) -> PendingRejection | None:
     """The abort SGLang already decided for ``req`` (``to_finish`` or ``finished_reason``), if any."""
     for attr in ("to_finish", "finished_reason"):
@@ -82,7 +88,7 @@ def _door(role: str, get_scheduler: Callable[[Any], Any]) -> Callable[[Func], Fu
                 role=role,
                 prompt_len=len(req.origin_input_ids),
                 pending=pending_rejection(req),
-                limit=getattr(scheduler, "max_req_input_len", None),
+                limit=largest_accepted_prompt(scheduler),
             )
             decision = admission.decide_admission(view)
             if events.record(decision, RUNTIME.config.admission, room=req.bootstrap_room):
