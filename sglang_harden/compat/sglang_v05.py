@@ -15,11 +15,19 @@ from sglang_harden import events
 from sglang_harden.compat import lifecycle_v05, notify
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
-from sglang_harden.config import CapacityMode
-from sglang_harden.guards import admission, capacity, coverage, retire
-from sglang_harden.guards.abort_notify import decide_on_peer_abort
+from sglang_harden.compat.shared import (
+    bootstrap_base_url,
+    bootstrap_routes,
+    capacity_gate,
+    largest_accepted_prompt,
+    peer_status_abort,
+    role_of,
+    tokenizer_learns_limit,
+    watch_receiver,
+)
+from sglang_harden.guards import admission, coverage, retire
 from sglang_harden.guards.admission import AdmissionView, PendingRejection
-from sglang_harden.guards.base import Decision, Verdict
+from sglang_harden.guards.base import Decision
 
 logger = logging.getLogger("sglang_harden")
 
@@ -38,12 +46,6 @@ Func = Callable[..., Any]
 # ---------------------------------------------------------------- reading SGLang objects
 
 
-def largest_accepted_prompt(scheduler: Any) -> int | None:
-    """SGLang refuses ``len(prompt) >= max_req_input_len``, so the largest prompt it serves is one less."""
-    limit = getattr(scheduler, "max_req_input_len", None)
-    return None if limit is None else int(limit) - 1
-
-
 def pending_rejection(req: Any) -> PendingRejection | None:
     """The abort SGLang already decided for ``req`` (``to_finish`` or ``finished_reason``), if any."""
     for attr in ("to_finish", "finished_reason"):
@@ -52,11 +54,6 @@ def pending_rejection(req: Any) -> PendingRejection | None:
             status = getattr(reason, "status_code", None)
             return PendingRejection(str(reason.message), int(status or 400))
     return None
-
-
-def role_of(scheduler: Any) -> str:
-    mode = getattr(scheduler, "disaggregation_mode", None)
-    return str(getattr(mode, "value", mode) or "null")
 
 
 def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) -> None:
@@ -179,72 +176,6 @@ def _is_fake_transfer(req: Any) -> bool:
 # ---------------------------------------------------------------- abort notification
 
 
-def _bootstrap_routes(original: Func) -> Func:
-    def setup_routes(self: Any) -> Any:
-        result = original(self)
-        self.app.router.add_put(notify.ABORT_PATH, _handle_abort_put)
-        self.app.router.add_get(notify.ABORTS_PATH, _handle_aborts_get)
-        return result
-
-    return setup_routes
-
-
-async def _handle_abort_put(request: Any) -> Any:
-    from aiohttp import web
-
-    try:
-        abort = notify.parse_abort_body(await request.content.read(64 * 1024))
-    except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
-    notify.BOARD.post(abort)
-    return web.json_response({"ok": True})
-
-
-async def _handle_aborts_get(request: Any) -> Any:
-    from aiohttp import web
-
-    try:
-        rooms = notify.parse_rooms_query(request.query.get("rooms", ""))
-    except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
-    return web.json_response(notify.aborts_payload(rooms))
-
-
-def _watch_receiver(original: Func) -> Func:
-    def init(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: Any = None, *a: Any, **k: Any) -> Any:
-        result = original(self, mgr, bootstrap_addr, bootstrap_room, *a, **k)
-        watcher = RUNTIME.decode_watcher(_fail_receiver_room)
-        if bootstrap_room is not None and watcher is not None:
-            watcher.watch(bootstrap_addr, int(bootstrap_room), self)
-        return result
-
-    return init
-
-
-def _fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    if getattr(receiver, "conclude_state", None) is not None:
-        return
-    decision = decide_on_peer_abort(str(abort.room), transfer_may_be_in_flight=False, writer_drained=True)
-    if events.record(decision, RUNTIME.config.abort_notify, room=abort.room, peer_reason=abort.message):
-        receiver.kv_mgr.record_failure(abort.room, abort.message)
-        receiver.kv_mgr.update_status(abort.room, KVPoll.Failed)
-
-
-def _peer_status_abort(original: Func) -> Func:
-    """Decode's failure path aborts with 500; a room prefill rejected keeps prefill's own status and text."""
-
-    def prepare_abort(req: Any, error_message: str, status_code: Any = None) -> Any:
-        watcher = RUNTIME.watcher
-        hit = watcher.hit(getattr(req, "bootstrap_room", None)) if watcher is not None else None
-        if hit is not None:
-            return original(req, hit.message, status_code=hit.status_code)
-        return original(req, error_message, status_code=status_code)
-
-    return prepare_abort
-
-
 # ---------------------------------------------------------------- start-up: capacity gate, verification
 
 
@@ -253,9 +184,9 @@ def _scheduler_started(original: Func) -> Func:
         result = original(self, server_args, port_args, *args, **kwargs)
         role = role_of(self)
         _verify_in_process(role)
-        _capacity_gate(self)
+        capacity_gate(self)
         if role == "prefill":
-            RUNTIME.start_publisher(_bootstrap_base_url(self))
+            RUNTIME.start_publisher(bootstrap_base_url(self))
         RUNTIME.log_active(role=f"scheduler/{role}")
         return result
 
@@ -293,46 +224,6 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
     }
 
 
-def _bootstrap_base_url(scheduler: Any) -> str:
-    host = scheduler.server_args.host
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
-
-
-def _capacity_gate(scheduler: Any) -> None:
-    mode: CapacityMode = RUNTIME.config.capacity
-    context_len = int(scheduler.model_config.context_len)
-    decision = capacity.decide_capacity(
-        context_len, int(scheduler.max_req_input_len), capacity.SGLANG_MARGIN, mode
-    )
-    if not events.record(decision, capacity.record_mode(mode), role=role_of(scheduler)):
-        return
-    if decision.verdict is Verdict.CLAMP:
-        scheduler.model_config.context_len = int(decision.fields["context_len"])
-        return
-    raise HardenRefusal("sglang-harden capacity gate: " + decision.reason)
-
-
-def _tokenizer_learns_limit(module: Any) -> None:
-    """Clamp mode: when the main process learns the pool-derived limit, it lowers its advertised context."""
-    cls = module.TokenizerManager
-
-    def get(self: Any) -> Any:
-        return self.__dict__.get("_harden_max_req_input_len")
-
-    def set_(self: Any, value: Any) -> None:
-        self.__dict__["_harden_max_req_input_len"] = value
-        if value is None or RUNTIME.config.capacity is not CapacityMode.CLAMP:
-            return
-        fitting = capacity.largest_fitting_context(int(value))
-        if fitting < self.model_config.context_len:
-            logger.warning("sglang-harden: clamping advertised context %s -> %s", self.context_len, fitting)
-            self.model_config.context_len = fitting
-            self.context_len = fitting
-
-    cls.max_req_input_len = property(get, set_)
-
-
 def _verify_in_process(role: str) -> None:
     from sglang_harden.compat.hooks import registered_hooks
 
@@ -363,10 +254,10 @@ HOOKS: list[Hook] = [
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
     Hook("coverage", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _check_coverage),
-    Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), _bootstrap_routes),
+    Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), bootstrap_routes),
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
-         _watch_receiver),
-    Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), _peer_status_abort),
+         watch_receiver),
+    Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), _report_state),
     *lifecycle_v05.HOOKS,
@@ -382,4 +273,4 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
     **lifecycle_v05.ROLES,
 }
 
-MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: _tokenizer_learns_limit}
+MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit}

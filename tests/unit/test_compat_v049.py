@@ -163,7 +163,7 @@ def test_peer_abort_keeps_prefills_status_and_message(monkeypatch: pytest.Monkey
     hit = notify.PeerAbort(5, 400, "Input length (300 tokens) exceeds ...")
     monkeypatch.setattr(RUNTIME, "watcher", types.SimpleNamespace(hit=lambda room: hit if room == 5 else None))
     seen: list[Any] = []
-    wrapped = v049._peer_status_abort(lambda req, msg, status_code=None: seen.append((msg, status_code)))
+    wrapped = v049.peer_status_abort(lambda req, msg, status_code=None: seen.append((msg, status_code)))
     wrapped(Req("b", [1], bootstrap_room=5), "Decode transfer failed", status_code=500)
     wrapped(Req("c", [1], bootstrap_room=6), "Decode transfer failed", status_code=500)
     assert seen == [(hit.message, 400), ("Decode transfer failed", 500)]

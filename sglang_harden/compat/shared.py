@@ -1,0 +1,141 @@
+"""Hook bodies that read the same on every supported SGLang family.
+
+They touch SGLang only through the objects SGLang passes in and names that did not move between 0.4.9 and
+0.5.23 (``KVPoll``, the bootstrap server's aiohttp ``app``, ``model_config.context_len``, ``max_req_input_len``,
+``TokenizerManager``); each family module lists them in its own hook table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sglang_harden import events
+from sglang_harden.compat import notify
+from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
+from sglang_harden.config import CapacityMode
+from sglang_harden.guards import capacity
+from sglang_harden.guards.abort_notify import decide_on_peer_abort
+from sglang_harden.guards.base import Verdict
+
+logger = logging.getLogger("sglang_harden")
+
+Func = Callable[..., Any]
+
+
+def largest_accepted_prompt(scheduler: Any) -> int | None:
+    """SGLang refuses ``len(prompt) >= max_req_input_len``, so the largest prompt it serves is one less."""
+    limit = getattr(scheduler, "max_req_input_len", None)
+    return None if limit is None else int(limit) - 1
+
+
+def role_of(scheduler: Any) -> str:
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    return str(getattr(mode, "value", mode) or "null")
+
+
+def bootstrap_routes(original: Func) -> Func:
+    def setup_routes(self: Any) -> Any:
+        result = original(self)
+        self.app.router.add_put(notify.ABORT_PATH, handle_abort_put)
+        self.app.router.add_get(notify.ABORTS_PATH, handle_aborts_get)
+        return result
+
+    return setup_routes
+
+
+async def handle_abort_put(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        abort = notify.parse_abort_body(await request.content.read(64 * 1024))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    notify.BOARD.post(abort)
+    return web.json_response({"ok": True})
+
+
+async def handle_aborts_get(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        rooms = notify.parse_rooms_query(request.query.get("rooms", ""))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    return web.json_response(notify.aborts_payload(rooms))
+
+
+def watch_receiver(original: Func) -> Func:
+    def init(self: Any, mgr: Any, bootstrap_addr: str, bootstrap_room: Any = None, *a: Any, **k: Any) -> Any:
+        result = original(self, mgr, bootstrap_addr, bootstrap_room, *a, **k)
+        watcher = RUNTIME.decode_watcher(fail_receiver_room)
+        if bootstrap_room is not None and watcher is not None:
+            watcher.watch(bootstrap_addr, int(bootstrap_room), self)
+        return result
+
+    return init
+
+
+def fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if getattr(receiver, "conclude_state", None) is not None:
+        return
+    decision = decide_on_peer_abort(str(abort.room), transfer_may_be_in_flight=False, writer_drained=True)
+    if events.record(decision, RUNTIME.config.abort_notify, room=abort.room, peer_reason=abort.message):
+        receiver.kv_mgr.record_failure(abort.room, abort.message)
+        receiver.kv_mgr.update_status(abort.room, KVPoll.Failed)
+
+
+def peer_status_abort(original: Func) -> Func:
+    """Decode's failure path aborts with 500; a room prefill rejected keeps prefill's own status and text."""
+
+    def prepare_abort(req: Any, error_message: str, status_code: Any = None) -> Any:
+        watcher = RUNTIME.watcher
+        hit = watcher.hit(getattr(req, "bootstrap_room", None)) if watcher is not None else None
+        if hit is not None:
+            return original(req, hit.message, status_code=hit.status_code)
+        return original(req, error_message, status_code=status_code)
+
+    return prepare_abort
+
+
+def bootstrap_base_url(scheduler: Any) -> str:
+    host = scheduler.server_args.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
+
+
+def capacity_gate(scheduler: Any) -> None:
+    mode: CapacityMode = RUNTIME.config.capacity
+    context_len = int(scheduler.model_config.context_len)
+    decision = capacity.decide_capacity(
+        context_len, int(scheduler.max_req_input_len), capacity.SGLANG_MARGIN, mode
+    )
+    if not events.record(decision, capacity.record_mode(mode), role=role_of(scheduler)):
+        return
+    if decision.verdict is Verdict.CLAMP:
+        scheduler.model_config.context_len = int(decision.fields["context_len"])
+        return
+    raise HardenRefusal("sglang-harden capacity gate: " + decision.reason)
+
+
+def tokenizer_learns_limit(module: Any) -> None:
+    """Clamp mode: when the main process learns the pool-derived limit, it lowers its advertised context."""
+    cls = module.TokenizerManager
+
+    def get(self: Any) -> Any:
+        return self.__dict__.get("_harden_max_req_input_len")
+
+    def set_(self: Any, value: Any) -> None:
+        self.__dict__["_harden_max_req_input_len"] = value
+        if value is None or RUNTIME.config.capacity is not CapacityMode.CLAMP:
+            return
+        fitting = capacity.largest_fitting_context(int(value))
+        if fitting < self.model_config.context_len:
+            logger.warning("sglang-harden: clamping advertised context %s -> %s", self.context_len, fitting)
+            self.model_config.context_len = fitting
+            self.context_len = fitting
+
+    cls.max_req_input_len = property(get, set_)
