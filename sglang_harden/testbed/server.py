@@ -261,7 +261,7 @@ class Router(_Process):
                 "--prefill", self.prefill.url, str(self.prefill.bootstrap_port), "--decode", self.decode.url,
                 "--host", "127.0.0.1", "--port", str(self.port), "--policy", "round_robin",
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-                "--health-check-endpoint", "/model_info", "--health-check-interval-secs", "3600",
+                "--health-check-endpoint", "/get_model_info", "--health-check-interval-secs", "3600",
                 *self.extra_flags]
 
     def start(self) -> Router:

@@ -86,5 +86,6 @@ def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -
     assert "exceeds the maximum allowed length" in (res["b_prefill_error"] or ""), res["b_prefill_error"]
     assert res["b_status"] != 200, res
     assert res["b_decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, res["b_decode_elapsed_s"]
+    assert "timed out" in (res["b_decode_error"] or ""), res["b_decode_error"]
     assert res["pages_of_a_read_by_b"] == 0
     assert res["verdict"].startswith("rejected; decode held")
