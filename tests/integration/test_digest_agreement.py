@@ -131,7 +131,7 @@ def _run(transport_name: str, scenario: str, expect: int) -> list[tuple]:
         pass
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=2)
             if p.is_alive():  # the stalled rank, or a straggler after the deadline
                 p.kill()
                 p.join(timeout=10)
