@@ -108,8 +108,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     left = procs.kill_groups(alive, term_timeout=3.0, kill_timeout=5.0)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    msg = (f"sglang-harden: {len(alive)} process group(s) started by the suite were still alive at the end: "
-           f"{alive} (killed now; still alive: {left})")
+    msg = (
+        f"sglang-harden: {len(alive)} process group(s) started by the suite were still alive at the end: "
+        f"{alive} (killed now; still alive: {left})"
+    )
     if reporter is not None:
         reporter.write_line(msg, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED

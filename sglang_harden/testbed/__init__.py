@@ -16,7 +16,25 @@ from sglang_harden.testbed.model import build_tiny_model
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair, Router, Server, ServerError
 
 __all__ = [
-    "EnvError", "GenResult", "HARDENED_LAUNCHER", "IncidentSetup", "PDPair", "PairResult", "Router", "Server",
-    "ServerError", "VANILLA_LAUNCHER", "all_pins", "build_tiny_model", "ci_pins", "ensure_env", "generate",
-    "greedy_body", "load_pins", "pd_generate", "require_env", "router_generate", "run_incident",
+    "EnvError",
+    "GenResult",
+    "HARDENED_LAUNCHER",
+    "IncidentSetup",
+    "PDPair",
+    "PairResult",
+    "Router",
+    "Server",
+    "ServerError",
+    "VANILLA_LAUNCHER",
+    "all_pins",
+    "build_tiny_model",
+    "ci_pins",
+    "ensure_env",
+    "generate",
+    "greedy_body",
+    "load_pins",
+    "pd_generate",
+    "require_env",
+    "router_generate",
+    "run_incident",
 ]

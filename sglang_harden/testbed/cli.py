@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p_start.add_argument("--num-reserved-decode-tokens", type=int, default=32)
     p_start.add_argument("--transfer-backend", default="mooncake")
     p_start.add_argument("--router", action="store_true", help="also start sglang-router in PD mode")
-    p_start.add_argument("--hardened", action="store_true",
-                         help="launch via sglang_harden.launch_server with SGLANG_HARDEN_ACTIVATE=1")
+    p_start.add_argument(
+        "--hardened", action="store_true", help="launch via sglang_harden.launch_server with SGLANG_HARDEN_ACTIVATE=1"
+    )
     p_start.add_argument("--env", action="append", default=[], metavar="K=V", help="extra env for both servers")
     p_start.add_argument("--log-dir", default=None)
     p_start.add_argument("--timeout", type=float, default=600.0)
@@ -55,8 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _envs(args: argparse.Namespace) -> int:
-    pins = envs.select_pins([*args.pins, *(["--ci"] if args.ci else []), *(["--all"] if args.all else [])]) \
-        if (args.pins or args.ci or args.all) else envs.all_pins()
+    pins = (
+        envs.select_pins([*args.pins, *(["--ci"] if args.ci else []), *(["--all"] if args.all else [])])
+        if (args.pins or args.ci or args.all)
+        else envs.all_pins()
+    )
     if args.build:
         for pin in pins:
             envs.ensure_env(pin)
@@ -76,19 +80,28 @@ def _start(args: argparse.Namespace) -> int:
 
     state = _state_path(args)
     if state.exists():
-        print(f"state file {state} exists: stop that pair first (sglang-harden testbed stop --state {state})",
-              file=sys.stderr)
+        print(
+            f"state file {state} exists: stop that pair first (sglang-harden testbed stop --state {state})",
+            file=sys.stderr,
+        )
         return 1
     env = dict(kv.split("=", 1) for kv in args.env)
     if args.hardened:
         env["SGLANG_HARDEN_ACTIVATE"] = "1"
-    pair = PDPair(args.pin, prefill_max_total_tokens=args.prefill_max_total_tokens,
-                  decode_max_total_tokens=args.decode_max_total_tokens, context_length=args.context_length,
-                  num_reserved_decode_tokens=args.num_reserved_decode_tokens,
-                  transfer_backend=args.transfer_backend, env=env, router=args.router,
-                  launcher_module=HARDENED_LAUNCHER if args.hardened else VANILLA_LAUNCHER,
-                  log_dir=Path(args.log_dir) if args.log_dir else None, startup_timeout=args.timeout,
-                  progress=True)
+    pair = PDPair(
+        args.pin,
+        prefill_max_total_tokens=args.prefill_max_total_tokens,
+        decode_max_total_tokens=args.decode_max_total_tokens,
+        context_length=args.context_length,
+        num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+        transfer_backend=args.transfer_backend,
+        env=env,
+        router=args.router,
+        launcher_module=HARDENED_LAUNCHER if args.hardened else VANILLA_LAUNCHER,
+        log_dir=Path(args.log_dir) if args.log_dir else None,
+        startup_timeout=args.timeout,
+        progress=True,
+    )
     pair.start()
     pair.detach()
     info = pair.describe()

@@ -44,10 +44,15 @@ class GenResult:
         return str(self.body)[:500]
 
     def summary(self) -> dict[str, Any]:
-        return {"status": self.status, "output_ids": self.output_ids, "logprobs": self.logprobs,
-                "elapsed_s": round(self.elapsed_s, 3), "error": None if self.ok else self.error_message(),
-                "prompt_tokens": self.meta.get("prompt_tokens"),
-                "completion_tokens": self.meta.get("completion_tokens")}
+        return {
+            "status": self.status,
+            "output_ids": self.output_ids,
+            "logprobs": self.logprobs,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "error": None if self.ok else self.error_message(),
+            "prompt_tokens": self.meta.get("prompt_tokens"),
+            "completion_tokens": self.meta.get("completion_tokens"),
+        }
 
 
 @dataclass
@@ -104,8 +109,9 @@ def generate(url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResul
     return _parse(status, answer, time.monotonic() - start)
 
 
-def greedy_body(input_ids: list[int], max_new_tokens: int, rid: str | None = None,
-                logprobs: bool = True) -> dict[str, Any]:
+def greedy_body(
+    input_ids: list[int], max_new_tokens: int, rid: str | None = None, logprobs: bool = True
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
@@ -116,9 +122,15 @@ def greedy_body(input_ids: list[int], max_new_tokens: int, rid: str | None = Non
     return body
 
 
-def pd_generate(prefill_url: str, decode_url: str, bootstrap_port: int, body: dict[str, Any],
-                room: int | None = None, bootstrap_host: str = "127.0.0.1",
-                timeout: float = 120.0) -> PairResult:
+def pd_generate(
+    prefill_url: str,
+    decode_url: str,
+    bootstrap_port: int,
+    body: dict[str, Any],
+    room: int | None = None,
+    bootstrap_host: str = "127.0.0.1",
+    timeout: float = 120.0,
+) -> PairResult:
     """Send one PD request directly: the same body with bootstrap fields to both servers concurrently."""
     room = random.randrange(2**62) if room is None else room
     paired = {**body, "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port, "bootstrap_room": room}

@@ -288,8 +288,11 @@ def ensure_bytecode(pin: str, log: Log) -> None:
 
 def package_sources_hash(root: Path = REPO_ROOT) -> str:
     digest = hashlib.sha256()
-    files = [root / "pyproject.toml", *sorted((root / "sglang_harden").rglob("*")),
-             *sorted((root / "patches").rglob("*"))]
+    files = [
+        root / "pyproject.toml",
+        *sorted((root / "sglang_harden").rglob("*")),
+        *sorted((root / "patches").rglob("*")),
+    ]
     for path in files:
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
             digest.update(str(path.relative_to(root)).encode())
@@ -304,8 +307,9 @@ def _snapshot_sources(root: Path, dest: Path) -> None:
             shutil.copy2(root / name, dest / name)
     if not (dest / "README.md").exists():  # hatchling needs the readme named in pyproject
         (dest / "README.md").write_text("sglang-harden\n")
-    shutil.copytree(root / "sglang_harden", dest / "sglang_harden",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        root / "sglang_harden", dest / "sglang_harden", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     shutil.copytree(root / "patches", dest / "patches", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
@@ -317,8 +321,7 @@ def install_package(pin: str, log: Log = _stderr, root: Path = REPO_ROOT, force:
         return False
     with tempfile.TemporaryDirectory(prefix="sglang-harden-src-") as tmp:
         _snapshot_sources(root, Path(tmp))
-        _run([_uv(), "pip", "install", "--python", venv_python(pin), "--no-deps", "--reinstall", tmp],
-             log, _uv_env())
+        _run([_uv(), "pip", "install", "--python", venv_python(pin), "--no-deps", "--reinstall", tmp], log, _uv_env())
     compile_bytecode(pin, log, "sglang_harden")
     stamp.write_text(wanted + "\n")
     return True

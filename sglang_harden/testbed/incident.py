@@ -97,18 +97,32 @@ class RoundResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "round": self.index, "a_seed": self.a_seed, "a_rid": self.a_rid, "b_rid": self.b_rid,
-            "a_prefill_status": self.a.prefill.status, "a_decode_status": self.a.decode.status,
-            "b_prefill": self.b.prefill.summary(), "b_decode": self.b.decode.summary(),
-            "b_rows": self.b_rows, "a_pages_read_by_b": self.a_rows_read_by_b,
+            "round": self.index,
+            "a_seed": self.a_seed,
+            "a_rid": self.a_rid,
+            "b_rid": self.b_rid,
+            "a_prefill_status": self.a.prefill.status,
+            "a_decode_status": self.a.decode.status,
+            "b_prefill": self.b.prefill.summary(),
+            "b_decode": self.b.decode.summary(),
+            "b_rows": self.b_rows,
+            "a_pages_read_by_b": self.a_rows_read_by_b,
             "foreign_rows": self.foreign_rows,
         }
 
 
-def start_incident_pair(pin: str, *, hardened: bool = False, setup: IncidentSetup = IncidentSetup(),
-                        log_dir: Path, transfer_backend: str = "mooncake", router: bool = False,
-                        extra_env: Mapping[str, str] | None = None, progress: bool = False,
-                        harden_env: Mapping[str, str] | None = None) -> PDPair:
+def start_incident_pair(
+    pin: str,
+    *,
+    hardened: bool = False,
+    setup: IncidentSetup = IncidentSetup(),
+    log_dir: Path,
+    transfer_backend: str = "mooncake",
+    router: bool = False,
+    extra_env: Mapping[str, str] | None = None,
+    progress: bool = False,
+    harden_env: Mapping[str, str] | None = None,
+) -> PDPair:
     """Start (and return, started) the asymmetric PD pair of the incident, with the KV tracer on decode."""
     env = {WAITING_TIMEOUT_ENV: str(setup.waiting_timeout_s), **(extra_env or {})}
     if hardened:
@@ -133,10 +147,13 @@ def start_incident_pair(pin: str, *, hardened: bool = False, setup: IncidentSetu
 def run_round(pair: PDPair, index: int, a_seed: int, setup: IncidentSetup, tag: str = "") -> RoundResult:
     """Tenant A (distinctive content), then tenant B (oversized, greedy); collect both oracles."""
     a_rid, b_rid = f"{tag}A{index}-s{a_seed}", f"{tag}B{index}"
-    a = pair.generate(greedy_body(tenant_a_prompt(a_seed, setup.a_len), setup.new_tokens, rid=a_rid),
-                      timeout=setup.waiting_timeout_s + 120)
-    b = pair.generate(greedy_body(tenant_b_prompt(setup.b_len), setup.new_tokens, rid=b_rid),
-                      timeout=setup.waiting_timeout_s + 120)
+    a = pair.generate(
+        greedy_body(tenant_a_prompt(a_seed, setup.a_len), setup.new_tokens, rid=a_rid),
+        timeout=setup.waiting_timeout_s + 120,
+    )
+    b = pair.generate(
+        greedy_body(tenant_b_prompt(setup.b_len), setup.new_tokens, rid=b_rid), timeout=setup.waiting_timeout_s + 120
+    )
     result = RoundResult(index=index, a_seed=a_seed, a_rid=a_rid, b_rid=b_rid, a=a, b=b)
     event = first_decode_event(pair.log_dir / "kvtrace", b_rid)
     if event is not None:
@@ -187,10 +204,17 @@ def _short(ids: list[int] | None, n: int = 6) -> str:
     return " ".join(map(str, ids[:n])) + (" ..." if len(ids) > n else "")
 
 
-def run_incident(pin: str, hardened: bool = False, *, setup: IncidentSetup = IncidentSetup(),
-                 log_dir: Path | None = None, transfer_backend: str = "mooncake",
-                 extra_env: Mapping[str, str] | None = None, harden_env: Mapping[str, str] | None = None,
-                 progress: Progress | None = None) -> dict[str, Any]:
+def run_incident(
+    pin: str,
+    hardened: bool = False,
+    *,
+    setup: IncidentSetup = IncidentSetup(),
+    log_dir: Path | None = None,
+    transfer_backend: str = "mooncake",
+    extra_env: Mapping[str, str] | None = None,
+    harden_env: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Start a fresh incident pair for ``pin`` (vanilla, or hardened through ``sglang_harden.launch_server``
     with ``SGLANG_HARDEN_ACTIVATE=1``), run a warm-up round and the measured rounds, stop the pair, and
     return a JSON-able summary: B's statuses and output, pages of A read by B, both oracles, a verdict."""
@@ -201,9 +225,16 @@ def run_incident(pin: str, hardened: bool = False, *, setup: IncidentSetup = Inc
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"sglang-harden-incident-{pin}-{variant}-"))
     t0 = time.monotonic()
     say(f"{pin} {variant}: starting prefill + decode (logs in {log_dir})")
-    pair = start_incident_pair(pin, hardened=hardened, setup=setup, log_dir=log_dir,
-                               transfer_backend=transfer_backend, extra_env=extra_env,
-                               harden_env=harden_env, progress=progress is not None)
+    pair = start_incident_pair(
+        pin,
+        hardened=hardened,
+        setup=setup,
+        log_dir=log_dir,
+        transfer_backend=transfer_backend,
+        extra_env=extra_env,
+        harden_env=harden_env,
+        progress=progress is not None,
+    )
     try:
         startup_s = time.monotonic() - t0
         say(f"{pin} {variant}: servers ready in {startup_s:.1f} s; warm-up round")
@@ -219,13 +250,23 @@ def run_incident(pin: str, hardened: bool = False, *, setup: IncidentSetup = Inc
         t_stop = time.monotonic()
         pair.stop()
         stop_s = time.monotonic() - t_stop
-    return summarize(pin, variant, warm, rounds, setup, startup_s, stop_s, time.monotonic() - t0, log_dir,
-                     transfer_backend)
+    return summarize(
+        pin, variant, warm, rounds, setup, startup_s, stop_s, time.monotonic() - t0, log_dir, transfer_backend
+    )
 
 
-def summarize(pin: str, variant: str, warm: RoundResult, rounds: list[RoundResult], setup: IncidentSetup,
-              startup_s: float, stop_s: float, total_s: float, log_dir: Path,
-              transfer_backend: str) -> dict[str, Any]:
+def summarize(
+    pin: str,
+    variant: str,
+    warm: RoundResult,
+    rounds: list[RoundResult],
+    setup: IncidentSetup,
+    startup_s: float,
+    stop_s: float,
+    total_s: float,
+    log_dir: Path,
+    transfer_backend: str,
+) -> dict[str, Any]:
     measured = rounds or [warm]
     bb = black_box(rounds)
     first_b = measured[0].b

@@ -66,23 +66,35 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, router: bool = False) -> PDPair:
     env = {
-        LATE_WRITE_ENV: f"{setup.delay_s}:{setup.room_a}" + (
-            f":timeout={setup.engine_timeout_s}" if setup.engine_timeout_s is not None else ""),
+        LATE_WRITE_ENV: f"{setup.delay_s}:{setup.room_a}"
+        + (f":timeout={setup.engine_timeout_s}" if setup.engine_timeout_s is not None else ""),
         KVTRACE_ENV: str(log_dir / "kvtrace"),
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(setup.release_timeout_s),
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
     }
     if hardened:
-        env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log",
-                    "SGLANG_HARDEN_TESTBED_MISOWN_ROOM": str(setup.room_misowned),
-                    # the sender's bound on a timed-out write's lifetime: must cover the injected delay
-                    "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3)),
-                    "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages)})
-    pair = PDPair(pin, prefill_max_total_tokens=setup.prefill_max_total_tokens,
-                  decode_max_total_tokens=setup.decode_max_total_tokens, context_length=setup.context_length,
-                  num_reserved_decode_tokens=setup.num_reserved_decode_tokens, env=env,
-                  launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER, router=router,
-                  log_dir=log_dir, progress=True)
+        env.update(
+            {
+                "SGLANG_HARDEN_ACTIVATE": "1",
+                "SGLANG_HARDEN_CAPACITY": "log",
+                "SGLANG_HARDEN_TESTBED_MISOWN_ROOM": str(setup.room_misowned),
+                # the sender's bound on a timed-out write's lifetime: must cover the injected delay
+                "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3)),
+                "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages),
+            }
+        )
+    pair = PDPair(
+        pin,
+        prefill_max_total_tokens=setup.prefill_max_total_tokens,
+        decode_max_total_tokens=setup.decode_max_total_tokens,
+        context_length=setup.context_length,
+        num_reserved_decode_tokens=setup.num_reserved_decode_tokens,
+        env=env,
+        launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
+        router=router,
+        log_dir=log_dir,
+        progress=True,
+    )
     return pair.start()
 
 
@@ -118,8 +130,12 @@ def _abort_on_decode(pair: PDPair, rid: str) -> int:
 
 
 def _b_summary(res: GenResult) -> dict[str, Any]:
-    return {"status": res.status, "ids": res.output_ids, "logprobs": [round(x, 5) for x in res.logprobs or []],
-            "elapsed_s": res.elapsed_s}
+    return {
+        "status": res.status,
+        "ids": res.output_ids,
+        "logprobs": [round(x, 5) for x in res.logprobs or []],
+        "elapsed_s": res.elapsed_s,
+    }
 
 
 def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> dict[str, Any]:
@@ -134,8 +150,12 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
     t0 = time.time()
     a_box: dict[str, PairResult] = {}
     body_a = greedy_body(_prompt(1, setup.a_len), 8, rid="A-late")
-    thread = threading.Thread(target=lambda: a_box.setdefault("a", pd_generate(
-        pair.prefill.url, pair.decode.url, bport, body_a, room=setup.room_a, timeout=120)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: a_box.setdefault(
+            "a", pd_generate(pair.prefill.url, pair.decode.url, bport, body_a, room=setup.room_a, timeout=120)
+        ),
+        daemon=True,
+    )
     thread.start()
     time.sleep(setup.abort_after_s)
     abort_status = _abort_on_decode(pair, "A-late")
@@ -149,10 +169,23 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
     thread.join(timeout=setup.delay_s + 60)
     pool = _quiesce(pair, setup)
     ref = victim("B-reference")
-    misowned = pd_generate(pair.prefill.url, pair.decode.url, bport,
-                           greedy_body(_prompt(3, 60), 8, rid="M-misowned"), room=setup.room_misowned, timeout=120)
-    return {"t0": t0, "a": a_box.get("a"), "victims": victims, "ref": ref, "pool": pool,
-            "abort_status": abort_status, "misowned": misowned}
+    misowned = pd_generate(
+        pair.prefill.url,
+        pair.decode.url,
+        bport,
+        greedy_body(_prompt(3, 60), 8, rid="M-misowned"),
+        room=setup.room_misowned,
+        timeout=120,
+    )
+    return {
+        "t0": t0,
+        "a": a_box.get("a"),
+        "victims": victims,
+        "ref": ref,
+        "pool": pool,
+        "abort_status": abort_status,
+        "misowned": misowned,
+    }
 
 
 def _late_writes(folder: Path) -> list[dict[str, Any]]:
@@ -171,11 +204,16 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     for rid, pair_result in run["victims"].items():
         b = _b_summary(pair_result.decode)
         changed = (releases.get(rid) or {}).get("context_rows_changed")
-        differs = b["status"] == 200 and ref["status"] == 200 and (b["ids"], b["logprobs"]) != (
-            ref["ids"], ref["logprobs"])
-        victims[rid] = {"status": b["status"], "elapsed_s": round(b["elapsed_s"], 2),
-                        "context_rows_changed": changed, "output_differs_from_reference": differs,
-                        "corrupted": bool(changed) or differs}
+        differs = (
+            b["status"] == 200 and ref["status"] == 200 and (b["ids"], b["logprobs"]) != (ref["ids"], ref["logprobs"])
+        )
+        victims[rid] = {
+            "status": b["status"],
+            "elapsed_s": round(b["elapsed_s"], 2),
+            "context_rows_changed": changed,
+            "output_differs_from_reference": differs,
+            "corrupted": bool(changed) or differs,
+        }
     pool = run["pool"]
     back = pool.get("available_tokens") is not None and pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0)
     return {
@@ -191,12 +229,16 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
 
 
 def _misowned(res: GenResult) -> dict[str, Any]:
-    return {"status": res.status, "output_tokens": len(res.output_ids or []),
-            "error": res.error_message()[:300] if res.status != 200 else None}
+    return {
+        "status": res.status,
+        "output_tokens": len(res.output_ids or []),
+        "error": res.error_message()[:300] if res.status != 200 else None,
+    }
 
 
-def run_late_write(pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetup = LateWriteSetup(),
-                   say: Progress = None) -> dict[str, Any]:
+def run_late_write(
+    pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetup = LateWriteSetup(), say: Progress = None
+) -> dict[str, Any]:
     """One fresh pair for (pin, variant): the scenario, the oracles, and the pair stopped again."""
     log_dir.mkdir(parents=True, exist_ok=True)
     pair = start_pair(pin, hardened, setup, log_dir)
@@ -205,16 +247,22 @@ def run_late_write(pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetu
     finally:
         pair.stop()
     result = judge(run, log_dir / "kvtrace")
-    result.update({"pin": pin, "variant": "hardened" if hardened else "vanilla", "setup": asdict(setup),
-                   "log_dir": str(log_dir)})
+    result.update(
+        {"pin": pin, "variant": "hardened" if hardened else "vanilla", "setup": asdict(setup), "log_dir": str(log_dir)}
+    )
     result["verdict"] = ("corrupted" if result["corrupted_requests"] else "clean") + (
-        "" if result["pages_back_at_quiesce"] else ", pages missing at quiesce")
+        "" if result["pages_back_at_quiesce"] else ", pages missing at quiesce"
+    )
     return result
 
 
-def collect_report(pins: list[str], variants: tuple[str, ...] = ("vanilla", "hardened"),
-                   setup: LateWriteSetup = LateWriteSetup(), root: Path | None = None,
-                   say: Progress = None) -> dict[str, Any]:
+def collect_report(
+    pins: list[str],
+    variants: tuple[str, ...] = ("vanilla", "hardened"),
+    setup: LateWriteSetup = LateWriteSetup(),
+    root: Path | None = None,
+    say: Progress = None,
+) -> dict[str, Any]:
     """``{"scenario": "late-write", "pins": {pin: {variant: result}}, "ok": bool}``; pairs run one at a time.
 
     ``ok``: every hardened run is clean with every page back at quiesce and no run errored (what CI gates on;

@@ -74,8 +74,13 @@ def build_tiny_model(pin: str, force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         env = testbed_env(get_recipe(pin), {"PYTHONHASHSEED": "0"})
-        proc = subprocess.run([str(python), "-c", _BUILD_SCRIPT, str(tmp), str(MAX_POSITIONS)],
-                              capture_output=True, text=True, env=env, check=False)
+        proc = subprocess.run(
+            [str(python), "-c", _BUILD_SCRIPT, str(tmp), str(MAX_POSITIONS)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if proc.returncode != 0:
             raise EnvError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
         if target.exists():

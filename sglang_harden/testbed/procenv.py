@@ -16,8 +16,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 _DROP = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTEST_CURRENT_TEST")
 
 
-def testbed_env(recipe: PinRecipe, extra: Mapping[str, str] | None = None,
-                shims: bool = True) -> dict[str, str]:
+def testbed_env(recipe: PinRecipe, extra: Mapping[str, str] | None = None, shims: bool = True) -> dict[str, str]:
     """os.environ minus interpreter leaks, plus the pin's server env, the shims and ``extra`` (wins)."""
     env = {k: v for k, v in os.environ.items() if k not in _DROP}
     env.update(recipe.server_env)

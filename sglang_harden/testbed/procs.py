@@ -57,8 +57,15 @@ def spawn(
     """Start ``cmd`` in a new session with stdout+stderr appended to ``log_path``; record its group."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd),
+            env=dict(env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
     with _lock:
         _live[proc.pid] = proc
         _started.append(proc.pid)

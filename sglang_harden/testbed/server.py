@@ -142,20 +142,40 @@ class Server(_Process):
         self.log_path = self.log_dir / f"{self.name}.log"
         self.ready_s: float | None = None
         if transfer_backend not in self.recipe.transfer_backends and role != "mixed":
-            raise ServerError(f"transfer backend {transfer_backend!r} is not tested on {pin} "
-                              f"(pins.toml lists {list(self.recipe.transfer_backends)})")
+            raise ServerError(
+                f"transfer backend {transfer_backend!r} is not tested on {pin} "
+                f"(pins.toml lists {list(self.recipe.transfer_backends)})"
+            )
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [str(self.python), "-m", self.launcher_module,
-               "--model-path", str(self.model_path), "--device", "cpu",
-               "--attention-backend", "torch_native", "--disable-cuda-graph",
-               "--host", "127.0.0.1", "--port", str(self.port), "--nccl-port", str(self.nccl_port),
-               "--max-total-tokens", str(self.max_total_tokens),
-               "--context-length", str(self.context_length), "--random-seed", "0"]
+        cmd = [
+            str(self.python),
+            "-m",
+            self.launcher_module,
+            "--model-path",
+            str(self.model_path),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--disable-cuda-graph",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--nccl-port",
+            str(self.nccl_port),
+            "--max-total-tokens",
+            str(self.max_total_tokens),
+            "--context-length",
+            str(self.context_length),
+            "--random-seed",
+            "0",
+        ]
         if self.disable_radix_cache:
             cmd.append("--disable-radix-cache")
         if self.role != "mixed":
@@ -241,8 +261,15 @@ class Server(_Process):
 class Router(_Process):
     """sglang-router in PD mode in front of one prefill and one decode server."""
 
-    def __init__(self, pin: str, prefill: Server, decode: Server, log_dir: Path,
-                 startup_timeout: float = 120.0, extra_flags: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        pin: str,
+        prefill: Server,
+        decode: Server,
+        log_dir: Path,
+        startup_timeout: float = 120.0,
+        extra_flags: Sequence[str] = (),
+    ) -> None:
         super().__init__()
         self.recipe = get_recipe(pin)
         self.python = require_env(pin)
@@ -257,12 +284,32 @@ class Router(_Process):
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [str(self.python), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", self.prefill.url, str(self.prefill.bootstrap_port), "--decode", self.decode.url,
-                "--host", "127.0.0.1", "--port", str(self.port), "--policy", "round_robin",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-                "--health-check-endpoint", "/get_model_info", "--health-check-interval-secs", "3600",
-                *self.extra_flags]
+        return [
+            str(self.python),
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            self.prefill.url,
+            str(self.prefill.bootstrap_port),
+            "--decode",
+            self.decode.url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--health-check-endpoint",
+            "/get_model_info",
+            "--health-check-interval-secs",
+            "3600",
+            *self.extra_flags,
+        ]
 
     def start(self) -> Router:
         self._started_at = time.monotonic()
@@ -328,15 +375,30 @@ class PDPair:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         common: dict[str, Any] = dict(
-            context_length=context_length, transfer_backend=transfer_backend,
-            disable_radix_cache=disable_radix_cache, launcher_module=launcher_module,
-            log_dir=self.log_dir, startup_timeout=startup_timeout,
+            context_length=context_length,
+            transfer_backend=transfer_backend,
+            disable_radix_cache=disable_radix_cache,
+            launcher_module=launcher_module,
+            log_dir=self.log_dir,
+            startup_timeout=startup_timeout,
         )
-        self.prefill = Server(pin, "prefill", max_total_tokens=prefill_max_total_tokens,
-                              extra_flags=prefill_flags, env={**(env or {}), **(prefill_env or {})}, **common)
-        self.decode = Server(pin, "decode", max_total_tokens=decode_max_total_tokens,
-                             num_reserved_decode_tokens=num_reserved_decode_tokens, extra_flags=decode_flags,
-                             env={**(env or {}), **(decode_env or {})}, **common)
+        self.prefill = Server(
+            pin,
+            "prefill",
+            max_total_tokens=prefill_max_total_tokens,
+            extra_flags=prefill_flags,
+            env={**(env or {}), **(prefill_env or {})},
+            **common,
+        )
+        self.decode = Server(
+            pin,
+            "decode",
+            max_total_tokens=decode_max_total_tokens,
+            num_reserved_decode_tokens=num_reserved_decode_tokens,
+            extra_flags=decode_flags,
+            env={**(env or {}), **(decode_env or {})},
+            **common,
+        )
         self.router: Router | None = Router(pin, self.prefill, self.decode, self.log_dir) if router else None
 
     def _say(self, msg: str) -> None:
@@ -395,8 +457,12 @@ class PDPair:
         out: dict[str, Any] = {"pin": self.pin, "log_dir": str(self.log_dir)}
         for part in self.parts():
             role = getattr(part, "role", "router")
-            out[role] = {"url": part.url, "pgid": part.pid, "log": str(part.log_path),
-                         "ready_s": None if part.ready_s is None else round(part.ready_s, 1)}
+            out[role] = {
+                "url": part.url,
+                "pgid": part.pid,
+                "log": str(part.log_path),
+                "ready_s": None if part.ready_s is None else round(part.ready_s, 1),
+            }
             if getattr(part, "bootstrap_port", None):
                 out[role]["bootstrap_port"] = part.bootstrap_port
         return out
@@ -404,8 +470,9 @@ class PDPair:
     def generate(self, body: dict[str, Any], room: int | None = None, timeout: float = 120.0) -> PairResult:
         """One PD request sent directly to both servers (same body + bootstrap fields)."""
         assert self.prefill.bootstrap_port is not None
-        return pd_generate(self.prefill.url, self.decode.url, self.prefill.bootstrap_port, body,
-                           room=room, timeout=timeout)
+        return pd_generate(
+            self.prefill.url, self.decode.url, self.prefill.bootstrap_port, body, room=room, timeout=timeout
+        )
 
     def generate_via_router(self, body: dict[str, Any], timeout: float = 120.0) -> Any:
         if self.router is None:
@@ -415,6 +482,7 @@ class PDPair:
     def __enter__(self) -> PDPair:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -28,11 +28,24 @@ def _progress(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
 
-def run_incident(pin: str, hardened: bool, *, setup: IncidentSetup | None = None,
-                 log_dir: Path | None = None, progress: bool = True, **kwargs: Any) -> dict[str, Any]:
+def run_incident(
+    pin: str,
+    hardened: bool,
+    *,
+    setup: IncidentSetup | None = None,
+    log_dir: Path | None = None,
+    progress: bool = True,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Run the incident scenario on ``pin`` (fresh servers, stopped afterwards) and return its summary."""
-    return _run_incident(pin, hardened, setup=setup or IncidentSetup(), log_dir=log_dir,
-                         progress=_progress if progress else None, **kwargs)
+    return _run_incident(
+        pin,
+        hardened,
+        setup=setup or IncidentSetup(),
+        log_dir=log_dir,
+        progress=_progress if progress else None,
+        **kwargs,
+    )
 
 
 def vanilla(pin: str) -> dict[str, Any]:
@@ -52,8 +65,15 @@ def add_variant(name: str, runner: Runner) -> None:
 
 
 def _error_result(pin: str, variant: str, exc: BaseException) -> dict[str, Any]:
-    return {"pin": pin, "variant": variant, "b_status": None, "b_output_short": "-",
-            "pages_of_a_read_by_b": None, "verdict": "error", "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {
+        "pin": pin,
+        "variant": variant,
+        "b_status": None,
+        "b_output_short": "-",
+        "pages_of_a_read_by_b": None,
+        "verdict": "error",
+        "error": f"{type(exc).__name__}: {exc}"[:2000],
+    }
 
 
 def collect(pins: Sequence[str], scenario: str = "incident") -> dict[str, Any]:
@@ -75,8 +95,12 @@ def _cell(res: dict[str, Any]) -> list[str]:
     suffix = f" (prefill {prefill})" if prefill not in (None, 200) else ""
     status_txt = "-" if status is None else f"{status}{suffix}"
     pages = res.get("pages_of_a_read_by_b")
-    return [status_txt, str(res.get("b_output_short", "-")), "-" if pages is None else str(pages),
-            str(res.get("verdict"))]
+    return [
+        status_txt,
+        str(res.get("b_output_short", "-")),
+        "-" if pages is None else str(pages),
+        str(res.get("verdict")),
+    ]
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -98,8 +122,13 @@ def default_pins() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pin", action="append", dest="pins", metavar="X",
-                        help="SGLang pin (repeatable; default: the CI pins of ci/pins.toml)")
+    parser.add_argument(
+        "--pin",
+        action="append",
+        dest="pins",
+        metavar="X",
+        help="SGLang pin (repeatable; default: the CI pins of ci/pins.toml)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--scenario", choices=SCENARIOS, default="incident")
 

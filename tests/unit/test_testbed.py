@@ -101,8 +101,11 @@ def test_free_ports_are_distinct() -> None:
 
 
 def _run_with_shims(code: str, shims: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{SHIMS_DIR}{os.pathsep}{Path(__file__).resolve().parents[2]}",
-           "SGLANG_HARDEN_TESTBED_SHIMS": shims}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{SHIMS_DIR}{os.pathsep}{Path(__file__).resolve().parents[2]}",
+        "SGLANG_HARDEN_TESTBED_SHIMS": shims,
+    }
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True)
 
 
@@ -136,15 +139,13 @@ def test_unknown_shim_fails_loudly() -> None:
 
 def _gen(status: int, ids: list[int] | None = None, elapsed: float = 0.1, err: str = "") -> GenResult:
     body = {"error": {"message": err}} if err else {}
-    return GenResult(status=status, body=body, elapsed_s=elapsed, output_ids=ids,
-                     logprobs=[-1.0] * len(ids or []))
+    return GenResult(status=status, body=body, elapsed_s=elapsed, output_ids=ids, logprobs=[-1.0] * len(ids or []))
 
 
 def _round(i: int, seed: int, ids: list[int] | None, pages: int, b_status: int = 200) -> RoundResult:
     a = PairResult(_gen(200, [1]), _gen(200, [1]), room=1)
     b = PairResult(_gen(200, [0]), _gen(b_status, ids), room=2)
-    return RoundResult(index=i, a_seed=seed, a_rid=f"A{i}", b_rid=f"B{i}", a=a, b=b, b_rows=300,
-                       a_rows_read_by_b=pages)
+    return RoundResult(index=i, a_seed=seed, a_rid=f"A{i}", b_rid=f"B{i}", a=a, b=b, b_rows=300, a_rows_read_by_b=pages)
 
 
 def test_oracles_on_a_leak() -> None:
@@ -169,18 +170,27 @@ def test_prompts_are_deterministic_and_distinct() -> None:
 
 
 def test_parse_generate_answer() -> None:
-    body = {"text": "x", "output_ids": [4, 5],
-            "meta_info": {"prompt_tokens": 3, "output_token_logprobs": [[-0.5, 4, None], [-0.25, 5, None]]}}
+    body = {
+        "text": "x",
+        "output_ids": [4, 5],
+        "meta_info": {"prompt_tokens": 3, "output_token_logprobs": [[-0.5, 4, None], [-0.25, 5, None]]},
+    }
     res = _parse(200, body, 0.2)
     assert res.output_ids == [4, 5] and res.logprobs == [-0.5, -0.25] and res.meta["prompt_tokens"] == 3
 
 
 def test_demo_table_and_variant_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = {"b_status": 200, "b_prefill_status": 200, "b_output_short": "1 2 3", "pages_of_a_read_by_b": 208,
-            "verdict": "LEAK"}
+    fake = {
+        "b_status": 200,
+        "b_prefill_status": 200,
+        "b_output_short": "1 2 3",
+        "pages_of_a_read_by_b": 208,
+        "verdict": "LEAK",
+    }
     monkeypatch.setattr(demo, "VARIANTS", {"vanilla": lambda pin: {**fake, "pin": pin}})
-    demo.add_variant("hardened", lambda pin: {**fake, "b_status": 400, "pages_of_a_read_by_b": 0,
-                                              "verdict": "rejected"})
+    demo.add_variant(
+        "hardened", lambda pin: {**fake, "b_status": 400, "pages_of_a_read_by_b": 0, "verdict": "rejected"}
+    )
     report = demo.collect(["0.5.19"])
     assert set(report["pins"]["0.5.19"]) == {"vanilla", "hardened"}
     table = demo.render_table(report)

@@ -103,8 +103,16 @@ def _first_decode(scheduler: Any, req: Any) -> None:
                 matches[owner[0]] += 1
     with _lock:
         _context_at_first_decode[req.rid] = (slots, hashes)
-    _emit({"event": "first_decode", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8],
-           "foreign_rows": dict(matches), "foreign_total": sum(matches.values())})
+    _emit(
+        {
+            "event": "first_decode",
+            "rid": req.rid,
+            "rows": len(slots),
+            "slots_head": slots[:8],
+            "foreign_rows": dict(matches),
+            "foreign_total": sum(matches.values()),
+        }
+    )
 
 
 def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
@@ -119,8 +127,15 @@ def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
         ctx_slots, ctx_hashes = before
         now = dict(zip(slots, hashes, strict=True))
         changed = sum(1 for s, h in zip(ctx_slots, ctx_hashes, strict=True) if now.get(s, h) != h)
-    _emit({"event": "release", "rid": req.rid, "rows": len(slots), "slots_head": slots[:8],
-           "context_rows_changed": changed})
+    _emit(
+        {
+            "event": "release",
+            "rid": req.rid,
+            "rows": len(slots),
+            "slots_head": slots[:8],
+            "context_rows_changed": changed,
+        }
+    )
 
 
 def _wrap_run_batch(original: Any) -> Any:

@@ -72,8 +72,18 @@ def _late(original: Any, delay: float, room: int, args: tuple[Any, ...], mode: s
     started = time.time()
     time.sleep(delay)
     status = original(*args)
-    _emit({"event": "late_write", "mode": mode, "room": room, "delayed_s": delay, "started": started,
-           "t": time.time(), "status": int(status), "blocks": len(args[2])})
+    _emit(
+        {
+            "event": "late_write",
+            "mode": mode,
+            "room": room,
+            "delayed_s": delay,
+            "started": started,
+            "t": time.time(),
+            "status": int(status),
+            "blocks": len(args[2]),
+        }
+    )
     return int(status)
 
 
