@@ -12,4 +12,9 @@ pins="${pins//,/ }"
 # shellcheck disable=SC2086
 bash scripts/setup_envs.sh $pins
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The KV digest/canary tests need torch: run them with a pin venv's python (CPU torch), then the whole suite
+# with the system python (where they skip, saying so).
+torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
+"$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
+  tests/unit/test_canary.py tests/integration/test_digest_agreement.py
 exec python3 -m pytest -ra "$@"
