@@ -82,25 +82,13 @@ def _recorded_groups() -> list[int]:
     return sorted(groups)
 
 
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     try:
         from sglang_harden.testbed import procs
     except ImportError:
         return
-    for group in procs.started_groups():  # reap our own finished children first
-        procs.group_alive(group)
-    alive = [g for g in _recorded_groups() if _alive(g)]
+    alive = [g for g in _recorded_groups() if procs.group_alive(g)]
     owned = getattr(session.config, "_sglang_harden_pidfile", None)
     if owned:
         Path(owned).unlink(missing_ok=True)

@@ -120,7 +120,8 @@ def _stop(args: argparse.Namespace) -> int:
     groups = []
     for role in ("router", "prefill", "decode"):
         pgid = (info.get(role) or {}).get("pgid")
-        if pgid and any(k in procs.group_command(pgid) for k in ("launch_server", "launch_router")):
+        ticks = (info.get(role) or {}).get("start_ticks")
+        if pgid and ticks is not None and procs.start_ticks(pgid) == ticks:  # not a reused pid
             groups.append(int(pgid))
     left = procs.kill_groups(groups)
     state.unlink()

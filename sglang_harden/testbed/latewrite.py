@@ -41,7 +41,7 @@ Progress = Callable[[str], None] | None
 class LateWriteSetup:
     context_length: int = 512
     prefill_max_total_tokens: int = 512
-    decode_max_total_tokens: int = 360
+    decode_max_total_tokens: int = 340
     num_reserved_decode_tokens: int = 32
     a_len: int = 150
     b_len: int = 150

@@ -27,12 +27,32 @@ _started: list[int] = []
 _ports_handed_out: set[int] = set()
 
 
+def _live_members(pgid: int) -> list[int] | None:
+    """Pids of the group's processes that are not zombies (None when /proc cannot be read)."""
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    members = []
+    for entry in entries:
+        try:
+            state_and_rest = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(state_and_rest[2]) == pgid and state_and_rest[0] not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
 def group_alive(pgid: int) -> bool:
-    """True while any process of the group exists (zombies of our own children are reaped first)."""
+    """True while any non-zombie process of the group exists (our own exited children are reaped first)."""
     with _lock:
         proc = _live.get(pgid)
     if proc is not None:
         proc.poll()
+    members = _live_members(pgid)
+    if members is not None:
+        return bool(members)
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -117,12 +137,15 @@ def detach(pgid: int) -> None:
         _live.pop(pgid, None)
 
 
-def group_command(pgid: int) -> str:
-    """The leader's command line ('' when gone): a guard against signalling a reused pid."""
+def start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), None when gone.
+
+    Recorded next to a pid so a later ``stop`` can tell the process it started from a reused pid."""
     try:
-        return Path(f"/proc/{pgid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return ""
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def _kill_all_at_exit() -> None:

@@ -460,6 +460,7 @@ class PDPair:
             out[role] = {
                 "url": part.url,
                 "pgid": part.pid,
+                "start_ticks": procs.start_ticks(part.pid) if part.pid else None,
                 "log": str(part.log_path),
                 "ready_s": None if part.ready_s is None else round(part.ready_s, 1),
             }

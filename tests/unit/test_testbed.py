@@ -195,3 +195,32 @@ def test_demo_table_and_variant_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(report["pins"]["0.5.19"]) == {"vanilla", "hardened"}
     table = demo.render_table(report)
     assert "LEAK" in table and "208" in table and "hardened" in table
+
+
+def test_suite_fails_when_a_started_process_outlives_it(tmp_path: Path) -> None:
+    """tests/conftest.py's end-of-session check: a leftover group fails the session and is killed."""
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "conftest.py").write_text((repo / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_leftover.py").write_text(
+        textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        from sglang_harden.testbed import procs
+
+        def test_leaves_a_process_behind(tmp_path):
+            proc = procs.spawn(["sleep", "60"], dict(os.environ), tmp_path / "x.log")
+            Path(os.environ["LEFTOVER_PID_OUT"]).write_text(str(proc.pid))
+        """)
+    )
+    env = {k: v for k, v in os.environ.items() if k != procs.PIDFILE_ENV}
+    env.update(PYTHONPATH=str(repo), LEFTOVER_PID_OUT=str(tmp_path / "pid"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert out.returncode != 0, out.stdout
+    assert "still alive at the end" in out.stdout
+    assert not procs.group_alive(int((tmp_path / "pid").read_text()))
