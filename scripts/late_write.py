@@ -30,10 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-s", type=float, default=LateWriteSetup.delay_s)
     parser.add_argument("--blocking", action="store_true",
                         help="the late write blocks prefill's transfer worker instead of timing out the engine call")
+    parser.add_argument("--decode-pool", type=int, default=LateWriteSetup.decode_max_total_tokens,
+                        help="decode --max-total-tokens: small enough that freed pages are reused at once")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    setup = replace(LateWriteSetup(), delay_s=args.delay_s,
+    setup = replace(LateWriteSetup(), delay_s=args.delay_s, decode_max_total_tokens=args.decode_pool,
                     engine_timeout_s=None if args.blocking else LateWriteSetup.engine_timeout_s)
     report = collect_report(args.pins or ["0.5.19", "0.5.23"], tuple(args.variants or ("vanilla", "hardened")),
                             setup, args.log_dir, _say)

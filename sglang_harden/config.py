@@ -62,6 +62,7 @@ class HardenConfig:
     transfer_window_pages: int = 1024
     # How long a write the transport reported failed (timed out) may still land: the sender's bound on a posted
     # write's lifetime (RDMA: QP timeout x retries). Until then prefill neither acks the drain nor frees sources.
+    # 0 = never: such pages stay quarantined on decode until the sender is known gone.
     transfer_write_lifetime_s: int = 30
     bootstrap_secret: str = ""
     extra: dict[str, str] = field(default_factory=dict)

@@ -103,7 +103,7 @@ class Transfer:
     addr: str
     required_acks: int
     generation: int
-    pages: list[int]
+    pages: np.ndarray
     receiver: Any = None
 
 
@@ -131,21 +131,21 @@ class DecodeNode:
         return np.frombuffer(self.ledger.state_column(), dtype=np.int8)
 
     # ---- transfer path (scheduler thread)
-    def begin(self, room: int, addr: str, required_acks: int, pages: Sequence[int], receiver: Any) -> Decision:
+    def begin(self, room: int, addr: str, required_acks: int, pages: np.ndarray, receiver: Any) -> Decision:
         owner = owner_of_room(room)
         try:
-            generation = self.ledger.reserve(owner, pages)
+            generation = self.ledger.reserve_bulk(owner, pages)
         except LedgerError as exc:
             return Decision(lifecycle.GUARD, Verdict.ABORT, f"destination page not free: {exc}", 500,
                             {"room": room})
-        self.ledger.begin_write(owner, pages)
-        self.transfers[owner] = Transfer(owner, room, addr, required_acks, generation, list(pages), receiver)
-        return allow(lifecycle.GUARD, room=room, pages=len(pages))
+        self.ledger.move_bulk(owner, pages, PageState.WRITING)
+        self.transfers[owner] = Transfer(owner, room, addr, required_acks, generation, pages, receiver)
+        return allow(lifecycle.GUARD, room=room, pages=int(pages.size))
 
     def finish(self, room: int) -> Transfer | None:
         transfer = self.transfers.get(owner_of_room(room))
         if transfer is not None:
-            self.ledger.finish_write(transfer.owner, transfer.pages)
+            self.ledger.move_bulk(transfer.owner, transfer.pages, PageState.WRITTEN)
         return transfer
 
     # ---- drain evidence (any thread)
@@ -173,21 +173,21 @@ class DecodeNode:
         tracked = np.flatnonzero(states != FREE)
         if tracked.size == 0:
             return None
-        by_owner: dict[str | None, list[int]] = {}
-        for page in pages[tracked].tolist():
-            by_owner.setdefault(self.ledger.owner(page), []).append(page)
-        for owner, owned in by_owner.items():
+        tracked_pages = pages[tracked]
+        owner_ids = self.ledger.owner_ids_of(tracked_pages)
+        for owner_id in np.unique(owner_ids).tolist():
+            owner = self.ledger.owner_name(owner_id)
             if owner is not None:
-                self._release(owner, owned, mode)
+                self._release(owner, tracked_pages[owner_ids == owner_id], mode)
         held = self.states[pages] == QUARANTINED
         return held if held.any() else None
 
-    def _release(self, owner: str, pages: list[int], mode: Mode) -> None:
+    def _release(self, owner: str, pages: np.ndarray, mode: Mode) -> None:
         drained = self.drained(owner)
         if mode is not Mode.ENFORCE and not drained:
-            self._record_quarantine(owner, pages, mode)
+            self._record_quarantine(owner, pages.tolist(), mode)
             drained = True
-        outcome = self.ledger.release(owner, pages, writer_drained=drained)
+        outcome = self.ledger.release_bulk(owner, pages, writer_drained=drained)
         if outcome.to_quarantine:
             self._record_quarantine(owner, outcome.to_quarantine, mode)
             self._ask_for_drain_ack(owner)
@@ -198,8 +198,7 @@ class DecodeNode:
         transfer = self.transfers.get(owner)
         if transfer is None:
             return False
-        pages = np.asarray(transfer.pages, dtype=np.int64)
-        return bool((self.states[pages] == FREE).all())
+        return bool((self.states[transfer.pages] == FREE).all())
 
     def _record_quarantine(self, owner: str, pages: list[int], mode: Mode) -> None:
         transfer = self.transfers.get(owner)
@@ -305,8 +304,8 @@ class PrefillNode:
     def settled(self, room: int) -> bool:
         failed_at = self.failed_writes.get(room)
         if failed_at is not None:
-            if time.monotonic() - failed_at < self.lifetime_s:
-                return False
+            if self.lifetime_s <= 0 or time.monotonic() - failed_at < self.lifetime_s:
+                return False  # lifetime 0: only "sender gone" (a restart) ends it
             del self.failed_writes[room]
         mgr = self.kv_mgr
         if mgr is None:
@@ -503,7 +502,7 @@ def _send_metadata(original: Func) -> Func:
         result = original(self, kv_indices, *args, **kwargs)
         if getattr(self, "bootstrap_infos", None) is None:
             return result  # nothing was published: no writer for these pages
-        pages = np.unique(np.asarray(kv_indices, dtype=np.int64)).tolist()
+        pages = np.unique(np.asarray(kv_indices, dtype=np.int64))
         decision = node.begin(int(self.bootstrap_room), str(self.bootstrap_addr), len(self.bootstrap_infos),
                               pages, self)
         if events.record(decision, RUNTIME.config.lifecycle, room=self.bootstrap_room):
@@ -541,12 +540,15 @@ def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Tr
     if pool_idx is None or length <= 0:
         return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
     rows = scheduler.req_to_token_pool.req_to_token[pool_idx, :length]
-    pages = np.unique(_pages_of(rows, node.page_size)).tolist()
+    pages = np.unique(_pages_of(rows, node.page_size))
     prefix = getattr(req, "prefix_indices", None)
     prefix_pages: list[int] = []
     if prefix is not None and len(prefix) > 0:
         prefix_pages = np.unique(_pages_of(prefix, node.page_size)).tolist()
-    return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation, pages, prefix_pages)
+    if not prefix_pages and node.ledger.all_owned_written(transfer.owner, transfer.generation, pages):
+        return allow(page_tags.GUARD, rid=str(req.rid), pages=int(pages.size))
+    return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation, pages.tolist(),
+                                      prefix_pages)
 
 
 def _pool_idx(req: Any) -> int | None:
@@ -658,6 +660,28 @@ def _keep_ack_target(original: Func) -> Func:
     return clear
 
 
+def _capture_ack_target(original: Func) -> Func:
+    """0.5.23 "poisons" a room whose engine call failed (the batch may still be writing) and then never acks
+    it, so decode's only exit is its release timeout. Keep the target; after the write lifetime we ack."""
+    signature = inspect.signature(original)
+
+    def register(self: Any, room: int, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, PrefillNode) and int(room) in node.failed_writes:
+            bound = signature.bind(self, room, *args, **kwargs).arguments
+            node.kv_mgr = node.kv_mgr or self
+            if "target" in bound:
+                target = bound["target"]
+                merged = dict(node.orphan_targets.get(int(room)) or {})
+                merged[(target.ip, target.port)] = target
+                node.orphan_targets[int(room)] = merged
+            else:
+                node.orphan_targets[int(room)] = (bound["decode_ip"], bound["decode_port"])
+        return original(self, room, *args, **kwargs)
+
+    return register
+
+
 def _account_held_pages(original: Func) -> Func:
     """SGLang's idle leak check counts every page; pages we hold back are accounted, not leaked."""
 
@@ -753,6 +777,7 @@ HOOKS: list[Hook] = [
          _send_kvcache),
     Hook("lifecycle", CONN, "CommonKVManager._send_abort_ack", ("self",), _withhold_ack),
     Hook("lifecycle", CONN, "CommonKVSender.clear", ("self",), _keep_ack_target),
+    Hook("lifecycle", CONN, "CommonKVManager.register_deferred_ack_target", ("self", "room"), _capture_ack_target),
     Hook("lifecycle", INVARIANTS, "SchedulerInvariantChecker._check_pool_invariant",
          ("pool_name", "available", "evictable", "protected", "session_held", "total"), _account_held_pages),
     Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),

@@ -24,6 +24,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from sglang_harden.guards.base import Decision, Verdict, allow
 
@@ -171,6 +172,83 @@ class PageLedger:
             )
             return Decision(GUARD, Verdict.REJECT, reason, 503, fields)
         return allow(GUARD, **fields)
+
+    # ---- bulk variants: the same rules over a numpy index array, for a host's hot path (numpy imported lazily)
+    def reserve_bulk(self, owner: str, pages: Any) -> int:
+        """:meth:`reserve` over an int64 numpy array of pages, in O(pages) vectorised work."""
+        states, owners, generations = self._np_columns()
+        if pages.size and (states[pages] != PageState.FREE).any():
+            bad = int(pages[states[pages] != PageState.FREE][0])
+            raise LedgerError(f"page {bad} is {self.state(bad).name} (owner {self.owner(bad)}), not FREE")
+        generation = self._next_generation
+        self._next_generation += 1
+        owner_id = self._intern(owner)
+        states[pages] = PageState.RESERVED
+        owners[pages] = owner_id
+        generations[pages] = generation
+        self._pages_held[owner_id] += int(pages.size)
+        return generation
+
+    def move_bulk(self, owner: str, pages: Any, target: PageState) -> Any:
+        """:meth:`begin_write` (target WRITING) / :meth:`finish_write` (target WRITTEN) over a numpy array;
+        returns the refused pages (a numpy array)."""
+        states, owners, _ = self._np_columns()
+        before = PageState.RESERVED if target == PageState.WRITING else PageState.WRITING
+        owner_id = self._owner_ids.get(owner, NO_OWNER)
+        st = states[pages]
+        ok = (owners[pages] == owner_id) & ((st == before) | (st == target))
+        if owner_id == NO_OWNER:
+            ok[:] = False
+        states[pages[ok]] = target
+        return pages[~ok]
+
+    def release_bulk(self, owner: str, pages: Any, writer_drained: bool) -> ReleaseOutcome:
+        """:meth:`release` over a numpy array of pages (duplicates count once)."""
+        import numpy as np
+
+        pages = np.unique(pages)
+        states, owners, _ = self._np_columns()
+        owner_id = self._owner_ids.get(owner, NO_OWNER)
+        if owner_id == NO_OWNER:
+            return ReleaseOutcome([], [], pages.tolist())
+        st = states[pages]
+        mine = (owners[pages] == owner_id) & (st != PageState.FREE) & (st != PageState.QUARANTINED)
+        held = mine & (st == PageState.WRITING) if not writer_drained else np.zeros(pages.shape, dtype=bool)
+        to_quarantine, to_free = pages[held], pages[mine & ~held]
+        if to_quarantine.size:
+            states[to_quarantine] = PageState.QUARANTINED
+            self._quarantine.setdefault(owner_id, []).extend(to_quarantine.tolist())
+            self._quarantined += int(to_quarantine.size)
+        if to_free.size:
+            states[to_free] = PageState.FREE
+            owners[to_free] = NO_OWNER
+            self._pages_held[owner_id] -= int(to_free.size)
+            if self._pages_held[owner_id] == 0 and owner_id not in self._quarantine:
+                del self._pages_held[owner_id]
+                del self._owner_ids[self._owner_names.pop(owner_id)]
+        return ReleaseOutcome(to_free.tolist(), to_quarantine.tolist(), pages[~mine].tolist())
+
+    def all_owned_written(self, owner: str, generation: int, pages: Any) -> bool:
+        """Page-tag fast path: every page owned by ``owner`` at ``generation`` and WRITTEN."""
+        states, owners, generations = self._np_columns()
+        owner_id = self._owner_ids.get(owner)
+        return owner_id is not None and bool(
+            (owners[pages] == owner_id).all() and (generations[pages] == generation).all()
+            and (states[pages] == PageState.WRITTEN).all()
+        )
+
+    def owner_ids_of(self, pages: Any) -> Any:
+        """Owner ids (numpy) of ``pages``; :meth:`owner_name` turns one into the owner's name."""
+        return self._np_columns()[1][pages]
+
+    def owner_name(self, owner_id: int) -> str | None:
+        return self._owner_names.get(int(owner_id))
+
+    def _np_columns(self) -> tuple[Any, Any, Any]:
+        import numpy as np
+
+        return (np.frombuffer(self._state, dtype=np.int8), np.frombuffer(self._owner, dtype=np.int64),
+                np.frombuffer(self._generation, dtype=np.int64))
 
     # ---- prefill side: source pages
     def hold_source(self, owner: str, pages: Iterable[int]) -> None:

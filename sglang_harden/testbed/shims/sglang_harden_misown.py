@@ -28,8 +28,8 @@ def _patch(module: ModuleType) -> None:
 
     def finish(self: Any, room: int) -> Any:
         transfer = original(self, room)
-        if transfer is not None and int(room) == room_to_tamper and transfer.pages:
-            page = transfer.pages[len(transfer.pages) // 2]
+        if transfer is not None and int(room) == room_to_tamper and len(transfer.pages):
+            page = int(transfer.pages[len(transfer.pages) // 2])
             self.ledger.release(transfer.owner, [page], writer_drained=True)
             self.ledger.reserve("room:intruder", [page])
         return transfer
