@@ -89,3 +89,21 @@ def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -
     assert "timed out" in (res["b_decode_error"] or ""), res["b_decode_error"]
     assert res["pages_of_a_read_by_b"] == 0
     assert res["verdict"].startswith("rejected; decode held")
+
+
+NIXL_PINS = [p for p, r in RECIPES.items() if "nixl" in r.transfer_backends]
+
+
+@pytest.mark.parametrize("pin", NIXL_PINS)
+def test_nixl_backend_same_upstream_behaviour(require_pin: Any, tmp_path: Path, pin: str) -> None:
+    """The same scenario over NIXL (UCX tcp on loopback): A is served over the real transfer, B as on Mooncake."""
+    require_pin(pin)
+    res = run_incident(pin, hardened=False, setup=SETUP, log_dir=tmp_path, transfer_backend="nixl", progress=_progress)
+    warm = res["warmup"]
+    assert (warm["a_prefill_status"], warm["a_decode_status"]) == (200, 200), warm
+    expected = RECIPES[pin].incident
+    if expected == "leak":
+        assert res["verdict"] == "LEAK"
+    else:
+        assert res["b_prefill_status"] == 400 and res["b_status"] != 200
+        assert res["verdict"].startswith("rejected; decode held")
