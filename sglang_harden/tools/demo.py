@@ -52,12 +52,44 @@ def vanilla(pin: str) -> dict[str, Any]:
     return run_incident(pin, hardened=False)
 
 
+# The scenario's pools are deliberately too small for its context, which the capacity gate refuses by default
+# (shown by ``capacity_default_refuses``); the hardened column runs the gate in log mode so that what stops the
+# leak is the request-path guards.
+HARDENED_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
+
+
 def hardened(pin: str) -> dict[str, Any]:
-    return run_incident(pin, hardened=True)
+    result = run_incident(pin, hardened=True, harden_env=HARDENED_ENV)
+    result["capacity_default"] = capacity_default_refuses(pin)
+    return result
 
 
-# The columns of the report, in order. A new column is one call: add_variant("hardened", hardened).
-VARIANTS: dict[str, Runner] = {"vanilla": vanilla}
+def capacity_default_refuses(pin: str, setup: IncidentSetup | None = None) -> dict[str, Any]:
+    """Start the scenario's prefill hardened with the default capacity gate; it must refuse to start."""
+    import tempfile
+
+    from sglang_harden.testbed.server import HARDENED_LAUNCHER, Server, ServerError
+
+    setup = setup or IncidentSetup()
+    server = Server(pin, "prefill", max_total_tokens=setup.prefill_max_total_tokens,
+                    context_length=setup.context_length, env={"SGLANG_HARDEN_ACTIVATE": "1"},
+                    launcher_module=HARDENED_LAUNCHER, log_dir=Path(tempfile.mkdtemp(prefix="sglang-harden-cap-")),
+                    name=f"capacity-gate-{pin}")
+    _progress(f"{pin} hardened: checking that the default capacity gate refuses this configuration")
+    try:
+        server.start().wait_ready()
+        refused = False
+    except ServerError:
+        refused = True
+    finally:
+        server.stop()
+    lines = [ln for ln in server.log_text().splitlines() if "sglang-harden capacity gate:" in ln]
+    return {"refused": refused, "exit_code": server.proc.returncode if server.proc else None,
+            "message": lines[-1].split("sglang-harden capacity gate:", 1)[1].strip()[:300] if lines else None}
+
+
+# The columns of the report, in order. A new column is one call: add_variant(name, runner).
+VARIANTS: dict[str, Runner] = {"vanilla": vanilla, "hardened": hardened}
 
 
 def add_variant(name: str, runner: Runner) -> None:
@@ -95,11 +127,15 @@ def _cell(res: dict[str, Any]) -> list[str]:
     suffix = f" (prefill {prefill})" if prefill not in (None, 200) else ""
     status_txt = "-" if status is None else f"{status}{suffix}"
     pages = res.get("pages_of_a_read_by_b")
+    verdict = str(res.get("verdict"))
+    gate = res.get("capacity_default")
+    if gate is not None:
+        verdict += "; default capacity gate " + ("refused to start" if gate.get("refused") else "DID NOT refuse")
     return [
         status_txt,
         str(res.get("b_output_short", "-")),
         "-" if pages is None else str(pages),
-        str(res.get("verdict")),
+        verdict,
     ]
 
 
@@ -149,4 +185,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_table(report))
     errors = [p for p, v in report["pins"].items() for r in v.values() if r.get("verdict") == "error"]
-    return 1 if errors else 0
+    return 1 if errors or not hardened_blocked(report) else 0
+
+
+def hardened_blocked(report: dict[str, Any]) -> bool:
+    """Every hardened column: B refused (4xx), no completion, none of A's KV read, default gate refused."""
+    for variants in report["pins"].values():
+        res = variants.get("hardened")
+        if res is None:
+            continue
+        status = res.get("b_status") or 0
+        if not (400 <= status < 500) or res.get("b_output_ids") or res.get("pages_of_a_read_by_b"):
+            return False
+        if not (res.get("capacity_default") or {}).get("refused"):
+            return False
+    return True
