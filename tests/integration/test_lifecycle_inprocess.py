@@ -307,3 +307,30 @@ def test_idle_leak_check_counts_quarantined_pages(allocator: Any) -> None:
     allocator.free(a)
     leak, msg = SchedulerInvariantChecker._check_pool_invariant("full", allocator.available_size(), 0, 0, 0, POOL)
     assert not leak, msg
+
+
+def test_poisoned_room_is_acked_after_the_write_lifetime(sglang_modules: dict[str, Any]) -> None:
+    """0.5.23 never acks a room whose engine call failed ("poisoned"); we keep its ack target and ack once the
+    sender's write lifetime passed, so decode's quarantine ends without a bare-timeout release."""
+    import time
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    node.lifetime_s = 0.2
+    lifecycle_v05.NODE = node
+    try:
+        sent: list[Any] = []
+        mgr = SimpleNamespace(request_status={}, _staging_outstanding={}, transfer_infos={},
+                              _send_abort_ack=lambda ip, port, room: sent.append(("tuple", room)),
+                              _send_abort_acks=lambda room, targets: sent.append(("dict", room, len(targets))))
+        node.note_failed_write([ROOM_A])
+        target = SimpleNamespace(ip="127.0.0.1", port=9, generation=3)
+        register = lifecycle_v05._capture_ack_target(lambda self, room, target: None)  # upstream refuses it
+        register(mgr, ROOM_A, target)
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert sent == []
+        time.sleep(0.25)
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert sent == [("dict", ROOM_A, 1)]
+    finally:
+        lifecycle_v05.NODE = None
