@@ -3,11 +3,11 @@
 One scenario run per pin (module-scoped, servers stopped before the tests look at the result):
 warm-up round, then rounds with tenant A seeds (1, 2, 1, 2), each round A then the oversized greedy B.
 
-- pins whose ``incident`` in ci/pins.toml is "leak" (<= 0.5.20): B gets 200 with a full completion, B's output
+- pins whose ``incident`` in ci/pins.toml is "leak" (0.4.9.post6, 0.5.19): B gets 200 with a full completion, B's output
   depends on A's content and is identical for the same A (black box), and the decode KV tracer sees B's
   first decode step read rows byte-identical to the ones A left (white box). These are real assertions:
   they fail if the leak stops reproducing on a vanilla pin.
-- pins with "reject_and_hold" (0.5.21+): records upstream behaviour: prefill answers 400 with the
+- pins with "reject_and_hold" (0.5.20+): records upstream behaviour: prefill answers 400 with the
   length message, decode never answers 200 and holds its reservation until the (lowered) waiting timeout.
 """
 
@@ -80,7 +80,7 @@ def test_vanilla_leaks_white_box(incident: Any, pin: str) -> None:
 
 @pytest.mark.parametrize("pin", HOLD_PINS)
 def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -> None:
-    """Observed upstream behaviour on 0.5.21+: prefill 400; decode waits out its timeout, never serves B."""
+    """Observed upstream behaviour on 0.5.20+: prefill 400; decode waits out its timeout, never serves B."""
     res = incident(pin)
     assert res["b_prefill_status"] == 400, res
     assert "exceeds the maximum allowed length" in (res["b_prefill_error"] or ""), res["b_prefill_error"]
