@@ -47,7 +47,7 @@ def test_plugin_entry_point_arms_scheduler_subprocess(pin: str, require_pin: Any
     # SGLANG_HARDEN_ACTIVATE empty: the start-up hook stays inert, only SGLang's load_plugins() can arm us.
     server = Server(pin, "mixed", max_total_tokens=2048, env={"SGLANG_HARDEN_ACTIVATE": ""},
                     launcher_module=VANILLA_LAUNCHER, log_dir=tmp_path, startup_timeout=900.0)
-    with server.start().wait_ready():
+    with server:
         armed = _armed_schedulers(server)
         assert armed, server.log_tail()
         assert all(a[0] == pin and a[3] == "plugin" and a[2] != server.pid for a in armed), armed
@@ -59,7 +59,7 @@ def test_launcher_arms_scheduler_subprocess(pin: str, require_pin: Any, tmp_path
     require_pin(pin)
     server = Server(pin, "mixed", max_total_tokens=2048, env={"SGLANG_HARDEN_ACTIVATE": "1"},
                     launcher_module=HARDENED_LAUNCHER, log_dir=tmp_path, startup_timeout=900.0)
-    with server.start().wait_ready():
+    with server:
         armed = _armed_schedulers(server)
         assert armed, server.log_tail()
         assert all(a[0] == pin and a[2] != server.pid for a in armed), armed
@@ -72,6 +72,6 @@ def test_vanilla_server_is_not_armed(pin: str, require_pin: Any, tmp_path: Any) 
     require_pin(pin)
     server = Server(pin, "mixed", max_total_tokens=2048, launcher_module=VANILLA_LAUNCHER, log_dir=tmp_path,
                     startup_timeout=900.0)
-    with server.start().wait_ready():
+    with server:
         assert _armed_schedulers(server) == []
         assert _report(server) == {}
