@@ -25,9 +25,10 @@ Func = Callable[..., Any]
 
 
 def largest_accepted_prompt(scheduler: Any) -> int | None:
-    """SGLang refuses ``len(prompt) >= max_req_input_len``, so the largest prompt it serves is one less."""
+    """The longest prompt this node's pool holds: ``max_req_input_len`` (SGLang's own check refuses one token
+    earlier, ``len >= max_req_input_len``, but serves exactly that many after ``--allow-auto-truncate``)."""
     limit = getattr(scheduler, "max_req_input_len", None)
-    return None if limit is None else int(limit) - 1
+    return None if limit is None else int(limit)
 
 
 def role_of(scheduler: Any) -> str:

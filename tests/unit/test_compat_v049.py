@@ -105,7 +105,7 @@ def test_decode_door_rejects_over_limit_and_passes_retracted_and_fitting(publish
     assert door(queue, Req("long", [1] * 100)) is None and scheduler.streamed[0].rid == "long"
     assert scheduler.streamed[0].finished_reason.status_code == 400
     door(queue, Req("retracted", [1] * 101), True)
-    door(queue, Req("fits", [1] * 99))  # SGLang refuses len >= max_req_input_len
+    door(queue, Req("fits", [1] * 100))  # what auto-truncate produces: exactly max_req_input_len tokens
     assert [c[1].rid for c in calls] == ["retracted", "fits"]
     assert publisher.aborts == []  # decode does not publish to prefill
 
