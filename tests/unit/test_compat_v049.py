@@ -102,7 +102,7 @@ def test_decode_door_rejects_over_limit_and_passes_retracted_and_fitting(publish
     scheduler, calls = Scheduler(max_req_input_len=100), []
     door = v049._door("decode")(_recording(calls))
     queue = types.SimpleNamespace(scheduler=scheduler)
-    assert door(queue, Req("long", [1] * 100)) is None and scheduler.streamed[0].rid == "long"
+    assert door(queue, Req("long", [1] * 101)) is None and scheduler.streamed[0].rid == "long"
     assert scheduler.streamed[0].finished_reason.status_code == 400
     door(queue, Req("retracted", [1] * 101), True)
     door(queue, Req("fits", [1] * 100))  # what auto-truncate produces: exactly max_req_input_len tokens
