@@ -164,9 +164,6 @@ def hardened_asymmetric() -> Iterator[Any]:
     yield from _hardened(env={"SGLANG_HARDEN_CAPACITY": "log"}, **ASYMMETRIC)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "not yet seen passing on a real pair (issue 6 stays open): decode quarantines the pages of a room prefill "
-    "rejected after decode sent its metadata, for up to transfer_write_lifetime_s, which can starve the probe"))
 def test_probe_passes_on_hardened_pair(hardened_asymmetric: Any) -> None:
     """DEPENDS ON: admission (400 at the prefill door), retire, coverage and abort notification (decode lets
     go of B's reservation promptly), all from issue 3."""
