@@ -74,12 +74,12 @@ def _publish_peer_abort(room: int | None, decision: Decision) -> None:
 # ---------------------------------------------------------------- admission (both doors)
 
 
-def _door(role: str, get_scheduler: Callable[[Any], Any]) -> Callable[[Func], Func]:
+def _door(role: str) -> Callable[[Func], Func]:
     def make(original: Func) -> Func:
         def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
             if role == "decode" and _is_retracted(args, kwargs):
                 return original(self, req, *args, **kwargs)
-            scheduler = get_scheduler(self)
+            scheduler = self.scheduler
             view = AdmissionView(
                 rid=str(req.rid),
                 role=role,
@@ -236,19 +236,11 @@ def _verify_in_process(role: str) -> None:
 # ---------------------------------------------------------------- the table
 
 
-def _prefill_scheduler(queue: Any) -> Any:
-    return queue.scheduler
-
-
-def _decode_scheduler(queue: Any) -> Any:
-    return queue.scheduler
-
-
 HOOKS: list[Hook] = [
     Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"),
-         _door("prefill", _prefill_scheduler)),
+         _door("prefill")),
     Hook("admission", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"),
-         _door("decode", _decode_scheduler)),
+         _door("decode")),
     Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
