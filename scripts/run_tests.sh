@@ -12,8 +12,13 @@ pins="${pins//,/ }"
 # shellcheck disable=SC2086
 bash scripts/setup_envs.sh $pins
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# The KV digest/canary tests need torch: run them with a pin venv's python (CPU torch), then the whole suite
-# with the system python (where they skip, saying so).
+# The KV digest/canary tests need torch, the in-process lifecycle tests need SGLang itself: run them with
+# each CI pin's venv python (CPU torch, testbed shims), then the whole suite with the system python (where
+# they skip, saying so).
+for pin in $(python3 -c 'from sglang_harden.testbed.envs import ci_pins; print(" ".join(ci_pins()))'); do
+  python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
+    tests/integration/test_lifecycle_inprocess.py
+done
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
   tests/unit/test_canary.py tests/integration/test_digest_agreement.py

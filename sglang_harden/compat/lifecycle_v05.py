@@ -62,6 +62,7 @@ INVARIANTS = "sglang.srt.managers.scheduler_components.invariant_checker"
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 WINDOW_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
+NEVER_STARTED_MEMORY = 65536
 GAUGE_NAME = "sglang_harden_quarantined_pages"
 FREE = int(PageState.FREE)
 QUARANTINED = int(PageState.QUARANTINED)
@@ -118,6 +119,7 @@ class DecodeNode:
     transfers: dict[str, Transfer] = field(default_factory=dict)
     _acks: dict[int, set[int]] = field(default_factory=dict)
     _gone: set[str] = field(default_factory=set)
+    _never_started: dict[tuple[int, str], None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -157,6 +159,13 @@ class DecodeNode:
         with self._lock:
             self._gone.add(addr)
 
+    def note_never_started(self, room: int, addr: str) -> None:
+        """Prefill at ``addr`` refused ``room`` before any sender existed: no write to its pages can come."""
+        with self._lock:
+            self._never_started[(int(room), addr)] = None
+            while len(self._never_started) > NEVER_STARTED_MEMORY:
+                self._never_started.pop(next(iter(self._never_started)))
+
     def drained(self, owner: str) -> bool:
         transfer = self.transfers.get(owner)
         if transfer is None:
@@ -164,7 +173,8 @@ class DecodeNode:
         with self._lock:
             acks = len(self._acks.get(transfer.room, ()))
             gone = transfer.addr in self._gone
-        return gone or (transfer.required_acks > 0 and acks >= transfer.required_acks)
+            never_started = (transfer.room, transfer.addr) in self._never_started
+        return gone or never_started or (transfer.required_acks > 0 and acks >= transfer.required_acks)
 
     # ---- free path (scheduler thread)
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
@@ -231,6 +241,7 @@ class DecodeNode:
         if transfer is not None:
             with self._lock:
                 self._acks.pop(transfer.room, None)
+                self._never_started.pop((transfer.room, transfer.addr), None)
 
     # ---- leaving quarantine (scheduler thread)
     def confirmations(self) -> list[int]:
@@ -483,6 +494,7 @@ def _make_node(scheduler: Any) -> None:
     allocator = scheduler.token_to_kv_pool_allocator
     if role == "decode":
         NODE = DecodeNode.for_allocator(allocator, RUNTIME.config.quarantine_cap_pages)
+        RUNTIME.writer_never_started = NODE.note_never_started
     elif role == "prefill":
         NODE = PrefillNode.for_allocator(allocator)
         NODE.lifetime_s = float(RUNTIME.config.transfer_write_lifetime_s)

@@ -39,9 +39,13 @@ MAX_ROOMS_PER_QUERY = 256
 
 @dataclass(frozen=True)
 class PeerAbort:
+    """Prefill gave up on ``room``. ``sent_kv`` False means prefill never queued a KV write for the room (it was
+    refused before its sender existed), so decode may free the room's pages at once instead of quarantining."""
+
     room: int
     status_code: int
     message: str
+    sent_kv: bool = True
 
 
 class AbortBoard:
@@ -87,7 +91,29 @@ def parse_abort_body(body: bytes) -> PeerAbort:
         raise ValueError("need integer room, integer status_code, string message")
     if not 400 <= status <= 599:
         raise ValueError("status_code must be an HTTP error status")
-    return PeerAbort(room, status, message[:4096])
+    sent_kv = data.get("sent_kv", True)
+    if not isinstance(sent_kv, bool):
+        raise ValueError("sent_kv must be a boolean")
+    return PeerAbort(room, status, message[:4096], sent_kv)
+
+
+def is_same_host(remote: str | None, local: str | None) -> bool:
+    """Whether an HTTP peer is this host: a loopback address, or the very address the server answered on
+    (prefill's schedulers post to their own bootstrap server, whichever address it binds)."""
+    import ipaddress
+
+    if not remote:
+        return False
+    try:
+        peer = ipaddress.ip_address(remote.split("%")[0])
+    except ValueError:
+        return False
+    if peer.is_loopback:
+        return True
+    try:
+        return local is not None and peer == ipaddress.ip_address(local.split("%")[0])
+    except ValueError:
+        return False
 
 
 def parse_rooms_query(raw: str) -> list[int]:
@@ -97,10 +123,12 @@ def parse_rooms_query(raw: str) -> list[int]:
     return rooms
 
 
-def aborts_payload(rooms: list[int]) -> dict[str, object]:
+def aborts_payload(rooms: list[int], board: AbortBoard | None = None) -> dict[str, object]:
+    board = board or BOARD
     return {
         "aborts": {
-            str(a.room): {"status_code": a.status_code, "message": a.message} for a in BOARD.lookup(rooms)
+            str(a.room): {"status_code": a.status_code, "message": a.message, "sent_kv": a.sent_kv}
+            for a in board.lookup(rooms)
         }
     }
 
@@ -126,7 +154,9 @@ class Publisher:
             self._post_with_retries(abort)
 
     def _post_with_retries(self, abort: PeerAbort) -> None:
-        body = json.dumps({"room": abort.room, "status_code": abort.status_code, "message": abort.message})
+        body = json.dumps(
+            {"room": abort.room, "status_code": abort.status_code, "message": abort.message, "sent_kv": abort.sent_kv}
+        )
         for attempt in range(5):
             try:
                 request = urllib.request.Request(
@@ -213,7 +243,8 @@ def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
     found = []
     for room_text, entry in aborts.items():
         try:
-            found.append(PeerAbort(int(room_text), int(entry["status_code"]), str(entry["message"])))
+            sent_kv = entry.get("sent_kv", True) is not False  # anything but an explicit False: may have sent
+            found.append(PeerAbort(int(room_text), int(entry["status_code"]), str(entry["message"]), sent_kv))
         except (KeyError, TypeError, ValueError):
             logger.warning("sglang-harden: malformed abort entry from %s: %r", addr, entry)
     return found

@@ -27,6 +27,8 @@ class Runtime:
     armed: tuple[str, ...] = ()
     publisher: notify.Publisher | None = None
     watcher: notify.DecodeWatcher | None = None
+    # Set by the lifecycle adapter on decode: prefill said it never queued a write for (room, bootstrap addr).
+    writer_never_started: Callable[[int, str], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def configure(self, pin: str, family: str, source: str) -> None:

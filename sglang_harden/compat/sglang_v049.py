@@ -26,7 +26,9 @@ from sglang_harden.compat.shared import (
     largest_accepted_prompt,
     peer_status_abort,
     role_of,
+    tokenization_refusal,
     tokenizer_learns_limit,
+    validation_refusal,
     watch_receiver,
 )
 from sglang_harden.config import Mode
@@ -79,10 +81,10 @@ def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) 
     scheduler.stream_output([req], req.return_logprob)
 
 
-def _publish_peer_abort(room: int | None, decision: Decision) -> None:
+def _publish_peer_abort(room: int | None, decision: Decision, *, sent_kv: bool) -> None:
     if room is None or RUNTIME.publisher is None:
         return
-    RUNTIME.publisher.publish(notify.PeerAbort(room, decision.status_code or 500, decision.reason))
+    RUNTIME.publisher.publish(notify.PeerAbort(room, decision.status_code or 500, decision.reason, sent_kv))
 
 
 # ---------------------------------------------------------------- admission (both doors)
@@ -107,7 +109,7 @@ def _door(role: str) -> Callable[[Func], Func]:
             if events.record(decision, RUNTIME.config.admission, room=_room(req)):
                 _abort_and_stream(scheduler, req, decision.reason, decision.status_code or 400)
                 if role == "prefill":
-                    _publish_peer_abort(_room(req), decision)
+                    _publish_peer_abort(_room(req), decision, sent_kv=False)
                 return None
             return original(self, req, *args, **kwargs)
 
@@ -133,7 +135,7 @@ def _retire_final_send(original: Func) -> Func:
                 sender = getattr(req, "disagg_kv_sender", None)
                 if sender is not None:
                     sender.abort()
-                _publish_peer_abort(_room(req), decision)
+                _publish_peer_abort(_room(req), decision, sent_kv=True)
                 return None
         return original(self, req, last_chunk, end_idx)
 
@@ -218,7 +220,7 @@ def _verify_in_process(role: str, backend: str) -> None:
             f"sglang-harden on SGLang 0.4.9: abort notification supports the {'/'.join(ABORT_NOTIFY_BACKENDS)} "
             f"transfer backend, not {backend!r}; use mooncake or start with --harden-abort-notify off"
         )
-    needed = [h for h in HOOKS if role in ROLES_BY_OWNER.get(h.owner, {role}) and _armed(h.owner)]
+    needed = [h for h in HOOKS if role in ROLES_BY_OWNER.get(h.owner, {role}) and _armed(h.owner) and in_scheduler(h)]
     gaps = missing(needed)
     if gaps:
         raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))
@@ -242,6 +244,10 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", MOONCAKE, "MooncakeKVReceiver.__init__",
          ("self", "mgr", "bootstrap_addr", "bootstrap_room"), watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),
+    Hook("abort_notify", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
+         validation_refusal),
+    Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),
+         tokenization_refusal),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
 ]
 
@@ -255,3 +261,8 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
 }
 
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit}
+
+
+def in_scheduler(hook: Hook) -> bool:
+    """Tokenizer-manager hooks live in the main process (a missing target fails its import there, closed)."""
+    return hook.module != TOKENIZER

@@ -22,7 +22,9 @@ from sglang_harden.compat.shared import (
     largest_accepted_prompt,
     peer_status_abort,
     role_of,
+    tokenization_refusal,
     tokenizer_learns_limit,
+    validation_refusal,
     watch_receiver,
 )
 from sglang_harden.guards import admission, coverage, retire
@@ -65,10 +67,10 @@ def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) 
     scheduler.output_streamer.stream_output([req], req.return_logprob)
 
 
-def _publish_peer_abort(room: int | None, decision: Decision) -> None:
+def _publish_peer_abort(room: int | None, decision: Decision, *, sent_kv: bool) -> None:
     if room is None or RUNTIME.publisher is None:
         return
-    RUNTIME.publisher.publish(notify.PeerAbort(int(room), decision.status_code or 500, decision.reason))
+    RUNTIME.publisher.publish(notify.PeerAbort(int(room), decision.status_code or 500, decision.reason, sent_kv))
 
 
 # ---------------------------------------------------------------- admission (both doors)
@@ -91,7 +93,7 @@ def _door(role: str) -> Callable[[Func], Func]:
             if events.record(decision, RUNTIME.config.admission, room=req.bootstrap_room):
                 _abort_and_stream(scheduler, req, decision.reason, decision.status_code or 400)
                 if role == "prefill":
-                    _publish_peer_abort(req.bootstrap_room, decision)
+                    _publish_peer_abort(req.bootstrap_room, decision, sent_kv=False)
                 return None
             return original(self, req, *args, **kwargs)
 
@@ -117,7 +119,7 @@ def _retire_final_send(original: Func) -> Func:
                 sender = getattr(req, "disagg_kv_sender", None)
                 if sender is not None:
                     sender.abort()
-                _publish_peer_abort(req.bootstrap_room, decision)
+                _publish_peer_abort(req.bootstrap_room, decision, sent_kv=True)
                 return None
         return original(self, req, last_chunk, end_idx)
 
@@ -227,7 +229,7 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
 def _verify_in_process(role: str) -> None:
     from sglang_harden.compat.hooks import registered_hooks
 
-    needed = [h for h in registered_hooks() if role in ROLES_BY_OWNER.get(h.owner, {role})]
+    needed = [h for h in registered_hooks() if role in ROLES_BY_OWNER.get(h.owner, {role}) and in_scheduler(h)]
     gaps = missing(needed)
     if gaps:
         raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))
@@ -250,6 +252,10 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
          watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),
+    Hook("abort_notify", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
+         validation_refusal),
+    Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),
+         tokenization_refusal),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), _report_state),
     *lifecycle_v05.HOOKS,
@@ -266,3 +272,8 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
 }
 
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit}
+
+
+def in_scheduler(hook: Hook) -> bool:
+    """Tokenizer-manager hooks live in the main process (a missing target fails its import there, closed)."""
+    return hook.module != TOKENIZER

@@ -16,7 +16,7 @@ from sglang_harden.compat import notify
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode
 from sglang_harden.guards import capacity
-from sglang_harden.guards.abort_notify import decide_on_peer_abort
+from sglang_harden.guards.abort_notify import decide_on_front_door_refusal, decide_on_peer_abort
 from sglang_harden.guards.base import Verdict
 
 logger = logging.getLogger("sglang_harden")
@@ -47,8 +47,12 @@ def bootstrap_routes(original: Func) -> Func:
 
 
 async def handle_abort_put(request: Any) -> Any:
+    """Only the prefill node's own processes post aborts (same host); anyone else gets 403."""
     from aiohttp import web
 
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if not notify.is_same_host(request.remote, sockname[0] if sockname else None):
+        return web.json_response({"error": "aborts are accepted from this host only"}, status=403)
     try:
         abort = notify.parse_abort_body(await request.content.read(64 * 1024))
     except ValueError as exc:
@@ -83,10 +87,59 @@ def fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
 
     if getattr(receiver, "conclude_state", None) is not None:
         return
-    decision = decide_on_peer_abort(str(abort.room), transfer_may_be_in_flight=False, writer_drained=True)
+    decision = decide_on_peer_abort(str(abort.room), transfer_may_be_in_flight=abort.sent_kv, writer_drained=False)
     if events.record(decision, RUNTIME.config.abort_notify, room=abort.room, peer_reason=abort.message):
+        never_started = RUNTIME.writer_never_started
+        if not abort.sent_kv and never_started is not None:
+            never_started(int(abort.room), str(getattr(receiver, "bootstrap_addr", "")))
         receiver.kv_mgr.record_failure(abort.room, abort.message)
         receiver.kv_mgr.update_status(abort.room, KVPoll.Failed)
+
+
+def validation_refusal(original: Func) -> Func:
+    """``TokenizerManager._validate_one_request``: a refusal on prefill's front door reaches decode too."""
+
+    def validate(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, obj, input_ids, *args, **kwargs)
+        except ValueError as exc:
+            publish_front_door_refusal(self, obj, exc)
+            raise
+
+    return validate
+
+
+def tokenization_refusal(original: Func) -> Func:
+    """``TokenizerManager._tokenize_one_request``: the same for refusals raised while tokenizing."""
+
+    async def tokenize(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original(self, obj, *args, **kwargs)
+        except ValueError as exc:
+            publish_front_door_refusal(self, obj, exc)
+            raise
+
+    return tokenize
+
+
+def publish_front_door_refusal(tokenizer_manager: Any, obj: Any, exc: ValueError) -> None:
+    """Post the refusal on this node's abort board (served by the bootstrap server in this very process)."""
+    if getattr(exc, "_sglang_harden_published", False) or not _is_prefill_front(tokenizer_manager):
+        return
+    room = getattr(obj, "bootstrap_room", None)
+    room = room if isinstance(room, int) and not isinstance(room, bool) else None
+    decision = decide_on_front_door_refusal(str(getattr(obj, "rid", None)), room, str(exc))
+    if events.record(decision, RUNTIME.config.abort_notify, role="prefill") and room is not None:
+        notify.BOARD.post(notify.PeerAbort(room, decision.status_code or 400, str(exc), sent_kv=False))
+    try:
+        exc._sglang_harden_published = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+
+
+def _is_prefill_front(tokenizer_manager: Any) -> bool:
+    mode = getattr(getattr(tokenizer_manager, "server_args", None), "disaggregation_mode", None)
+    return str(getattr(mode, "value", mode)) == "prefill"
 
 
 def peer_status_abort(original: Func) -> Func:

@@ -41,6 +41,18 @@ def decide_on_peer_abort(rid: str, transfer_may_be_in_flight: bool, writer_drain
     return Decision(GUARD, Verdict.ABORT, reason, 500, {"rid": rid, "pages": pages})
 
 
+def decide_on_front_door_refusal(rid: str, room: int | None, message: str) -> Decision:
+    """Prefill's front door (tokenization, validation) refused a request before its scheduler saw it.
+
+    Decode got the same request from the router and is reserving pages for it: tell it (ABORT, HTTP 400 with
+    prefill's own message). No sender was ever made, so decode may release its pages at once. A request
+    without a bootstrap room was not a PD request: nothing to tell (SKIP)."""
+    if room is None:
+        return Decision(GUARD, Verdict.SKIP, "no bootstrap room: not a PD request", None, {"rid": rid})
+    reason = f"prefill refused request {rid} before scheduling: {message}"
+    return Decision(GUARD, Verdict.ABORT, reason, 400, {"rid": rid, "room": room, "pages": PAGES_RELEASE})
+
+
 def encode_abort_notice(notice: AbortNotice) -> bytes:
     reason = " ".join(notice.reason.split())
     return f"{_PREFIX} {notice.room} {notice.status_code} {reason}".encode()

@@ -5,6 +5,8 @@
 - ``start --pin X``: start a prefill+decode pair (optionally the router) and leave it running; writes a state
   file (urls, ports, process groups, logs) and prints it as JSON.
 - ``stop``: stop the pair named by a state file (kills exactly the recorded process groups).
+- ``python --pin X [ARGS...]``: run the pin venv's python with the testbed environment (CPU settings and
+  test-only shims), e.g. ``python --pin 0.5.23 -m pytest tests/integration/test_lifecycle_inprocess.py``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p_start.add_argument("--env", action="append", default=[], metavar="K=V", help="extra env for both servers")
     p_start.add_argument("--log-dir", default=None)
     p_start.add_argument("--timeout", type=float, default=600.0)
+    p_python = sub.add_parser("python", help="run a pin venv's python with the testbed environment")
+    p_python.add_argument("--pin", required=True)
+    p_python.add_argument("args", nargs=argparse.REMAINDER, help="arguments for python")
     for p in (p_start, sub.add_parser("stop", help="stop a pair started with 'start'")):
         p.add_argument("--name", default="pair", help="state name (default: pair)")
         p.add_argument("--state", default=None, help="state file (default: $SGLANG_HARDEN_HOME/testbed/NAME.json)")
@@ -129,6 +134,18 @@ def _stop(args: argparse.Namespace) -> int:
     return 0 if not left else 1
 
 
+def _python(args: argparse.Namespace) -> int:
+    import os
+
+    from sglang_harden.testbed.procenv import testbed_env
+
+    python = envs.require_env(args.pin)
+    argv = [a for a in args.args if a != "--"] if args.args[:1] == ["--"] else list(args.args)
+    sys.stdout.flush()
+    os.execve(str(python), [str(python), *argv], testbed_env(envs.get_recipe(args.pin)))
+    return 0  # not reached
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.testbed_command == "envs":
@@ -140,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.testbed_command == "start":
             return _start(args)
+        if args.testbed_command == "python":
+            return _python(args)
         return _stop(args)
     except envs.EnvError as exc:
         print(f"sglang-harden testbed: {exc}", file=sys.stderr)

@@ -45,6 +45,8 @@ class IncidentSetup:
     new_tokens: int = 16
     # Decode's wait for a transfer that never comes (pins that reject at prefill): lowered from 300 s.
     waiting_timeout_s: int = 20
+    # After the last round, how long each allocator may take to be back to full capacity.
+    quiesce_timeout_s: float = 10.0
     warmup_seed: int = 100
     # Tenant A's content per measured round (after one warm-up round); repeats give the repeatability oracle.
     a_seeds: tuple[int, ...] = (1, 2, 1, 2)
@@ -246,13 +248,18 @@ def run_incident(
                 rounds.append(run_round(pair, i, seed, setup))
                 if not rounds[-1].b.decode.ok and rounds[-1].b.prefill.status >= 400:
                     break
+        say(f"{pin} {variant}: waiting for both allocators to be back to full capacity")
+        quiesce = pair.wait_quiesced(timeout=setup.quiesce_timeout_s)
     finally:
         t_stop = time.monotonic()
         pair.stop()
         stop_s = time.monotonic() - t_stop
-    return summarize(
+    summary = summarize(
         pin, variant, warm, rounds, setup, startup_s, stop_s, time.monotonic() - t0, log_dir, transfer_backend
     )
+    summary["pools_at_quiesce"] = quiesce
+    summary["pools_full_at_quiesce"] = all(p.get("full") for p in quiesce.values())
+    return summary
 
 
 def summarize(

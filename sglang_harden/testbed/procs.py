@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -167,15 +168,27 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _candidate_ports(span: int) -> list[int]:
+    """Ports below the kernel's ephemeral range, so no outgoing socket can take one while a server boots."""
+    low, _ = _ephemeral_range()
+    top = min(low, 65535) - span - 1
+    bottom = 20000 if top - 20000 > 2000 else 1024
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    return rng.sample(range(bottom, top), k=200)
+
+
 def free_port(span: int = 1) -> int:
-    """A loopback port (with ``span - 1`` free neighbours) not handed out before by this process."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    """A loopback port (with ``span - 1`` free neighbours) outside the ephemeral range, not handed out before."""
+    for port in _candidate_ports(span):
         block = range(port, port + span)
-        if port + span >= 65535:
-            continue
         with _lock:
             if any(p in _ports_handed_out for p in block):
                 continue

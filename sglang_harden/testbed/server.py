@@ -35,6 +35,13 @@ class ServerError(RuntimeError):
     """A server did not come up (the message carries the tail of its log)."""
 
 
+class PortTaken(ServerError):
+    """A server could not bind one of the ports picked for it (someone took it while it booted)."""
+
+
+BIND_FAILURE = "address already in use"
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -96,6 +103,16 @@ class _Process:
         if left:
             raise ServerError(f"{self.name}: process group {self.proc.pid} survived SIGKILL")
 
+    def pick_ports(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget a stopped process so that the server can be started again on fresh ports."""
+        if self.is_alive():
+            raise ServerError(f"{self.name} is still running")
+        self.proc, self._finalizer = None, None
+        self.pick_ports()
+
     def _fail(self, why: str) -> ServerError:
         return ServerError(f"{self.name}: {why}\n--- {self.log_path} (tail) ---\n{self.log_tail()}")
 
@@ -134,9 +151,8 @@ class Server(_Process):
         self.extra_flags, self.extra_env = list(extra_flags), dict(env or {})
         self.launcher_module, self.startup_timeout = launcher_module, startup_timeout
         self.name = name or f"{role}-{pin}"
-        self.port = procs.free_port(span=3)
-        self.nccl_port = procs.free_port()
-        self.bootstrap_port = bootstrap_port or (procs.free_port() if role == "prefill" else None)
+        self._fixed_bootstrap_port = bootstrap_port
+        self.pick_ports()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sglang-harden-testbed-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_dir / f"{self.name}.log"
@@ -146,6 +162,13 @@ class Server(_Process):
                 f"transfer backend {transfer_backend!r} is not tested on {pin} "
                 f"(pins.toml lists {list(self.recipe.transfer_backends)})"
             )
+
+    def pick_ports(self) -> None:
+        """Pick fresh loopback ports (only before a start, or after a stop)."""
+        self.port = procs.free_port(span=3)
+        self.nccl_port = procs.free_port()
+        fixed = self._fixed_bootstrap_port
+        self.bootstrap_port = fixed or (procs.free_port() if self.role == "prefill" else None)
 
     @property
     def url(self) -> str:
@@ -215,7 +238,9 @@ class Server(_Process):
         return self
 
     def _wait_log_line(self, deadline: float) -> None:
-        while READY_LINE not in self.log_text():
+        while READY_LINE not in (text := self.log_text()):
+            if BIND_FAILURE in text.lower():
+                raise PortTaken(str(self._fail("a port picked for it was taken while it booted")))
             if not self.is_alive():
                 raise self._fail(f"exited with code {self.proc.returncode} before it was ready")
             if time.monotonic() > deadline:
@@ -243,6 +268,23 @@ class Server(_Process):
             if status == 200 and isinstance(body, dict):
                 return body
         raise self._fail("no server info endpoint answered")
+
+    def pool(self) -> dict[str, Any]:
+        """KV allocator occupancy of the first scheduler (testbed pool reporter): total, available, evictable."""
+        states = self.server_info().get("internal_states") or [{}]
+        numbers = dict(states[0].get("testbed_pool") or {})
+        if "total" in numbers:
+            numbers["full"] = numbers["available"] + numbers["evictable"] >= numbers["total"]
+        return numbers
+
+    def wait_pool_full(self, timeout: float) -> dict[str, Any]:
+        """Poll :meth:`pool` until the allocator is back to full capacity or ``timeout`` passes; adds waited_s."""
+        t0 = time.monotonic()
+        while True:
+            numbers = self.pool()
+            if numbers.get("full") or time.monotonic() - t0 > timeout:
+                return {**numbers, "waited_s": round(time.monotonic() - t0, 2)}
+            time.sleep(0.25)
 
     def generate(self, body: dict[str, Any], timeout: float = 120.0) -> Any:
         return generate(self.url, body, timeout)
@@ -274,10 +316,13 @@ class Router(_Process):
         self.recipe = get_recipe(pin)
         self.python = require_env(pin)
         self.prefill, self.decode = prefill, decode
-        self.port, self.prometheus_port = procs.free_port(), procs.free_port()
+        self.pick_ports()
         self.name, self.log_path = f"router-{pin}", Path(log_dir) / f"router-{pin}.log"
         self.startup_timeout, self.extra_flags = startup_timeout, list(extra_flags)
         self.ready_s: float | None = None
+
+    def pick_ports(self) -> None:
+        self.port, self.prometheus_port = procs.free_port(), procs.free_port()
 
     @property
     def url(self) -> str:
@@ -405,8 +450,21 @@ class PDPair:
         if self.progress:
             _progress(f"{self.pin}: {msg}")
 
-    def start(self) -> PDPair:
-        """Start both servers (concurrently), wait for both, then the router; stop everything on failure."""
+    def start(self, port_retries: int = 2) -> PDPair:
+        """Start both servers (concurrently), wait for both, then the router; stop everything on failure.
+
+        When a server finds one of its ports taken while it boots, the pair is started again on fresh ports.
+        """
+        for _ in range(port_retries):
+            try:
+                return self._start_once()
+            except PortTaken as exc:
+                self._say(f"port taken, starting again on fresh ports: {str(exc).splitlines()[0]}")
+                for part in self.parts():
+                    part.reset()
+        return self._start_once()
+
+    def _start_once(self) -> PDPair:
         try:
             self._say(f"starting prefill :{self.prefill.port} and decode :{self.decode.port} (logs {self.log_dir})")
             self.prefill.start()
@@ -444,6 +502,10 @@ class PDPair:
                 part._finalizer.detach()
         if left:
             raise ServerError(f"process groups {left} survived SIGKILL")
+
+    def wait_quiesced(self, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
+        """Both allocators back to full capacity (each polled up to ``timeout``): ``{role: pool numbers}``."""
+        return {s.role: s.wait_pool_full(timeout) for s in (self.prefill, self.decode)}
 
     def parts(self) -> list[_Process]:
         return [p for p in (self.prefill, self.decode, self.router) if p is not None]

@@ -128,6 +128,8 @@ def _cell(res: dict[str, Any]) -> list[str]:
     status_txt = "-" if status is None else f"{status}{suffix}"
     pages = res.get("pages_of_a_read_by_b")
     verdict = str(res.get("verdict"))
+    if res.get("pools_full_at_quiesce") is False:
+        verdict += "; pools NOT full at quiesce"
     gate = res.get("capacity_default")
     if gate is not None:
         verdict += "; default capacity gate " + ("refused to start" if gate.get("refused") else "DID NOT refuse")
@@ -189,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def hardened_blocked(report: dict[str, Any]) -> bool:
-    """Every hardened column: B refused (4xx), no completion, none of A's KV read, default gate refused."""
+    """Every hardened column: B refused (4xx), no completion, none of A's KV read, both allocators back to full
+    capacity at quiesce, and the default capacity gate refused the scenario's pools."""
     for variants in report["pins"].values():
         res = variants.get("hardened")
         if res is None:
@@ -198,5 +201,7 @@ def hardened_blocked(report: dict[str, Any]) -> bool:
         if not (400 <= status < 500) or res.get("b_output_ids") or res.get("pages_of_a_read_by_b"):
             return False
         if not (res.get("capacity_default") or {}).get("refused"):
+            return False
+        if not res.get("pools_full_at_quiesce"):
             return False
     return True

@@ -144,6 +144,50 @@ def test_sender_known_gone_releases_quarantine(allocator: Any, sglang_modules: d
     assert allocator.available_size() == POOL
 
 
+def _peer_abort(node: DecodeNode, receiver: Receiver, sent_kv: bool) -> None:
+    from sglang_harden.compat import notify, shared
+    from sglang_harden.compat.runtime import RUNTIME
+
+    RUNTIME.writer_never_started = node.note_never_started
+    receiver.conclude_state = None
+    receiver.kv_mgr = SimpleNamespace(record_failure=lambda *a: None, update_status=lambda *a: None)
+    shared.fail_receiver_room(receiver, notify.PeerAbort(receiver.bootstrap_room, 400, "too long", sent_kv))
+
+
+def test_room_refused_before_any_sender_is_released_at_once(allocator: Any) -> None:
+    """Prefill refused the room at its door (no sender, no write can come): decode frees, no quarantine."""
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(20)
+    receiver = Receiver(ROOM_A)
+    _publish(receiver, a)
+    _peer_abort(node, receiver, sent_kv=False)
+    allocator.free(a)
+    assert node.ledger.quarantined_count() == 0
+    assert allocator.available_size() == POOL
+
+
+def test_room_aborted_after_a_chunk_may_have_gone_stays_quarantined(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(20)
+    receiver = Receiver(ROOM_B)
+    _publish(receiver, a)
+    _peer_abort(node, receiver, sent_kv=True)
+    allocator.free(a)
+    assert node.ledger.quarantined_count() == 20, "prefill's word is not a drain: wait for the ack"
+
+
+def test_never_started_from_another_prefill_does_not_release(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(10)
+    _publish(Receiver(ROOM_A), a)
+    node.note_never_started(ROOM_A, "127.0.0.1:9999")  # a different bootstrap server than the writer's
+    allocator.free(a)
+    assert node.ledger.quarantined_count() == 10
+
+
 def test_completed_transfer_frees_normally(allocator: Any) -> None:
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node

@@ -95,7 +95,7 @@ def test_prefill_door_retires_the_stub_with_its_original_error(publisher: Publis
     assert v049._door("prefill")(_recording(calls))(queue, req, 2) is None
     assert calls == [] and scheduler.streamed == [req]
     assert (req.finished_reason.message, req.finished_reason.status_code) == (msg, 400)
-    assert publisher.aborts == [notify.PeerAbort(7, 400, msg)]
+    assert publisher.aborts == [notify.PeerAbort(7, 400, msg, sent_kv=False)]
 
 
 def test_decode_door_rejects_over_limit_and_passes_retracted_and_fitting(publisher: Publisher) -> None:
@@ -118,6 +118,7 @@ def test_retire_skips_final_send_of_aborted_request_and_fails_its_sender(publish
     req = Req("r", [1] * 10, to_abort=True, disagg_kv_sender=sender)
     assert send(object(), req, True) is None and sender.aborted and calls == []
     assert publisher.aborts and publisher.aborts[0].room == 7
+    assert publisher.aborts[0].sent_kv, "earlier chunks may have gone out: decode must not free on our word"
     send(object(), req, False)  # non-final chunks pass
     send(object(), Req("ok", [1] * 10), True)
     assert len(calls) == 2

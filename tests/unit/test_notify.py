@@ -49,8 +49,7 @@ class _FakeBootstrap(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server API
         rooms = notify.parse_rooms_query(parse_qs(urlparse(self.path).query).get("rooms", [""])[0])
-        hits = {str(a.room): {"status_code": a.status_code, "message": a.message} for a in self.board.lookup(rooms)}
-        self._reply({"aborts": hits})
+        self._reply(notify.aborts_payload(rooms, self.board))
 
     def do_PUT(self) -> None:  # noqa: N802
         abort = notify.parse_abort_body(self.rfile.read(int(self.headers["Content-Length"])))
@@ -96,6 +95,39 @@ def test_publisher_to_watcher_round_trip(bootstrap: str) -> None:
         time.sleep(0.05)
     assert seen and seen[0][0] is waiting and seen[0][1].status_code == 400
     assert watcher.hit(41) is not None and watcher.hit(42) is None
+
+
+def test_never_sent_flag_survives_the_round_trip(bootstrap: str) -> None:
+    seen: list[notify.PeerAbort] = []
+    watcher = notify.DecodeWatcher(lambda _receiver, abort: seen.append(abort))
+    receivers = [_Receiver(), _Receiver()]
+    watcher.watch(bootstrap, 51, receivers[0])
+    watcher.watch(bootstrap, 52, receivers[1])
+    publisher = notify.Publisher(f"http://{bootstrap}")
+    publisher.publish(notify.PeerAbort(51, 400, "refused at the door", sent_kv=False))
+    publisher.publish(notify.PeerAbort(52, 500, "aborted after a chunk went out"))
+    deadline = time.monotonic() + 5
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {a.room: a.sent_kv for a in seen} == {51: False, 52: True}
+
+
+def test_sent_kv_defaults_to_true_and_must_be_boolean() -> None:
+    body = {"room": 1, "status_code": 400, "message": "x"}
+    assert notify.parse_abort_body(json.dumps(body).encode()).sent_kv is True
+    assert notify.parse_abort_body(json.dumps({**body, "sent_kv": False}).encode()).sent_kv is False
+    with pytest.raises(ValueError):
+        notify.parse_abort_body(json.dumps({**body, "sent_kv": "no"}).encode())
+
+
+@pytest.mark.parametrize(
+    ("remote", "local", "same"),
+    [("127.0.0.1", "0.0.0.0", True), ("::1", "::", True), ("10.1.2.3", "10.1.2.3", True),
+     ("10.1.2.4", "10.1.2.3", False), ("10.1.2.4", None, False), (None, "127.0.0.1", False),
+     ("not-an-ip", "127.0.0.1", False), ("fe80::1%eth0", "fe80::1", True)],
+)
+def test_only_this_host_may_post_aborts(remote: str | None, local: str | None, same: bool) -> None:
+    assert notify.is_same_host(remote, local) is same
 
 
 def test_watcher_survives_unreachable_bootstrap() -> None:

@@ -224,3 +224,10 @@ def test_suite_fails_when_a_started_process_outlives_it(tmp_path: Path) -> None:
     assert out.returncode != 0, out.stdout
     assert "still alive at the end" in out.stdout
     assert not procs.group_alive(int((tmp_path / "pid").read_text()))
+
+
+def test_free_ports_sit_below_the_ephemeral_range() -> None:
+    low, _ = procs._ephemeral_range()
+    for _ in range(20):
+        port = procs.free_port(span=3)
+        assert port + 3 <= low, (port, low)

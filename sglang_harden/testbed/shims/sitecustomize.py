@@ -5,6 +5,8 @@ Every shim is small, named, and acts through a post-import hook, so it patches t
 process imports it (SGLang spawns its scheduler and detokenizer; they inherit the environment and load
 this file too). None of this is product code: it makes GPU-only corners of SGLang run on a CPU box.
 
+The read-only pool reporter (``sglang_harden_poolreport``) always runs: ``/get_server_info`` shows each
+scheduler's KV allocator occupancy, so tests can check that a node is back to full capacity.
 ``SGLANG_HARDEN_TESTBED_KVTRACE_DIR`` additionally turns on the white-box KV tracer (``sglang_harden_kvtrace``).
 """
 
@@ -253,6 +255,9 @@ def install(names: list[str]) -> None:
 def _main() -> None:
     names = [n for n in os.environ.get("SGLANG_HARDEN_TESTBED_SHIMS", "").split(",") if n]
     install(names)
+    import sglang_harden_poolreport
+
+    sglang_harden_poolreport.install()
     if os.environ.get("SGLANG_HARDEN_TESTBED_KVTRACE_DIR"):
         import sglang_harden_kvtrace
 

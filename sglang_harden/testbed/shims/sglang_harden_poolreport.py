@@ -1,0 +1,51 @@
+"""Pool occupancy on ``/get_server_info`` for testbed servers, vanilla ones included (test-only).
+
+Adds ``internal_states[i].testbed_pool`` = ``{"total", "available", "evictable"}`` (tokens) to the scheduler's
+internal-state answer, so that a test can see whether a node's KV allocator is back to full capacity once it is
+quiet. Read-only: it reads the allocator and the tree cache and changes nothing. Hooks
+``Scheduler.get_internal_state`` (present in every supported pin).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from sglang_harden._importhook import when_imported
+
+
+def pool_numbers(scheduler: Any) -> dict[str, int]:
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    return {
+        "total": int(scheduler.max_total_num_tokens),
+        "available": int(scheduler.token_to_kv_pool_allocator.available_size()),
+        "evictable": int(tree_cache.evictable_size()) if tree_cache is not None else 0,
+    }
+
+
+def _wrap(original: Any) -> Any:
+    @functools.wraps(original)  # keeps sglang-harden's hook marks visible through this wrapper
+    def get_internal_state(self: Any, recv_req: Any) -> Any:
+        output = original(self, recv_req)
+        state = getattr(output, "internal_state", None)
+        if isinstance(state, dict):
+            try:
+                state["testbed_pool"] = pool_numbers(self)
+            except Exception as exc:  # a reporter must never take the server down
+                state["testbed_pool"] = {"error": repr(exc)}
+        return output
+
+    return get_internal_state
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    cls = module.Scheduler
+    if getattr(cls, "_sglang_harden_poolreport", False):
+        return
+    cls.get_internal_state = _wrap(cls.get_internal_state)
+    cls._sglang_harden_poolreport = True
+
+
+def install() -> None:
+    when_imported("sglang.srt.managers.scheduler", _patch_scheduler)
