@@ -130,12 +130,18 @@ def pd_generate(
     room: int | None = None,
     bootstrap_host: str = "127.0.0.1",
     timeout: float = 120.0,
+    prefill_body: dict[str, Any] | None = None,
 ) -> PairResult:
-    """Send one PD request directly: the same body with bootstrap fields to both servers concurrently."""
+    """Send one PD request directly: the same body with bootstrap fields to both servers concurrently.
+
+    ``prefill_body`` (optional) replaces what prefill gets, to model two nodes that see one request
+    differently (e.g. a prompt that only prefill's front door refuses)."""
     room = random.randrange(2**62) if room is None else room
-    paired = {**body, "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+    boot = {"bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+    paired = {**body, **boot}
+    to_prefill = paired if prefill_body is None else {**prefill_body, **boot}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        fut_p = pool.submit(generate, prefill_url, paired, timeout)
+        fut_p = pool.submit(generate, prefill_url, to_prefill, timeout)
         fut_d = pool.submit(generate, decode_url, paired, timeout)
         return PairResult(prefill=fut_p.result(), decode=fut_d.result(), room=room)
 

@@ -47,6 +47,9 @@ class IncidentSetup:
     waiting_timeout_s: int = 20
     # After the last round, how long each allocator may take to be back to full capacity.
     quiesce_timeout_s: float = 10.0
+    # Front-door round: prefill gets a prompt longer than the context (its tokenizer refuses it), decode the
+    # B-sized one it can hold; decode must hear of the refusal instead of waiting out its timeout.
+    front_door_len: int = 600
     warmup_seed: int = 100
     # Tenant A's content per measured round (after one warm-up round); repeats give the repeatability oracle.
     a_seeds: tuple[int, ...] = (1, 2, 1, 2)
@@ -165,6 +168,23 @@ def run_round(pair: PDPair, index: int, a_seed: int, setup: IncidentSetup, tag: 
     return result
 
 
+def front_door_round(pair: PDPair, setup: IncidentSetup, tag: str = "") -> dict[str, Any]:
+    """A request prefill's front door (tokenizer validation) refuses while decode holds its reservation."""
+    rid = f"{tag}F"
+    decode_body = greedy_body(tenant_b_prompt(setup.b_len), setup.new_tokens, rid=rid)
+    prefill_body = greedy_body(tenant_b_prompt(setup.front_door_len), setup.new_tokens, rid=rid)
+    result = pair.generate(decode_body, prefill_body=prefill_body, timeout=setup.waiting_timeout_s + 120)
+    return {
+        "rid": rid,
+        "prefill": result.prefill.summary(),
+        "prefill_error": None if result.prefill.ok else result.prefill.error_message(),
+        "decode_status": result.decode.status,
+        "decode_error": None if result.decode.ok else result.decode.error_message(),
+        "decode_elapsed_s": round(result.decode.elapsed_s, 2),
+        "decode_generated": first_decode_event(pair.log_dir / "kvtrace", rid) is not None,
+    }
+
+
 def black_box(rounds: Sequence[RoundResult]) -> dict[str, Any]:
     """B's output as a function of A's content, over the measured rounds (warm-up excluded by the caller)."""
     by_seed: dict[int, list[tuple[Any, ...]]] = {}
@@ -248,6 +268,8 @@ def run_incident(
                 rounds.append(run_round(pair, i, seed, setup))
                 if not rounds[-1].b.decode.ok and rounds[-1].b.prefill.status >= 400:
                     break
+        say(f"{pin} {variant}: front-door round (prefill's tokenizer refuses, decode holds a reservation)")
+        front_door = front_door_round(pair, setup)
         say(f"{pin} {variant}: waiting for both allocators to be back to full capacity")
         quiesce = pair.wait_quiesced(timeout=setup.quiesce_timeout_s)
     finally:
@@ -257,6 +279,7 @@ def run_incident(
     summary = summarize(
         pin, variant, warm, rounds, setup, startup_s, stop_s, time.monotonic() - t0, log_dir, transfer_backend
     )
+    summary["front_door"] = front_door
     summary["pools_at_quiesce"] = quiesce
     summary["pools_full_at_quiesce"] = all(p.get("full") for p in quiesce.values())
     return summary

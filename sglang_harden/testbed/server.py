@@ -530,11 +530,18 @@ class PDPair:
                 out[role]["bootstrap_port"] = part.bootstrap_port
         return out
 
-    def generate(self, body: dict[str, Any], room: int | None = None, timeout: float = 120.0) -> PairResult:
-        """One PD request sent directly to both servers (same body + bootstrap fields)."""
+    def generate(
+        self,
+        body: dict[str, Any],
+        room: int | None = None,
+        timeout: float = 120.0,
+        prefill_body: dict[str, Any] | None = None,
+    ) -> PairResult:
+        """One PD request sent directly to both servers (same body + bootstrap fields; see ``pd_generate``)."""
         assert self.prefill.bootstrap_port is not None
         return pd_generate(
-            self.prefill.url, self.decode.url, self.prefill.bootstrap_port, body, room=room, timeout=timeout
+            self.prefill.url, self.decode.url, self.prefill.bootstrap_port, body, room=room, timeout=timeout,
+            prefill_body=prefill_body,
         )
 
     def generate_via_router(self, body: dict[str, Any], timeout: float = 120.0) -> Any:

@@ -137,12 +137,20 @@ def _cell(res: dict[str, Any]) -> list[str]:
         status_txt,
         str(res.get("b_output_short", "-")),
         "-" if pages is None else str(pages),
+        _front_door_cell(res.get("front_door")),
         verdict,
     ]
 
 
+def _front_door_cell(door: dict[str, Any] | None) -> str:
+    if not door:
+        return "-"
+    return f"{door.get('decode_status')} after {door.get('decode_elapsed_s')} s"
+
+
 def render_table(report: dict[str, Any]) -> str:
-    head = ["pin", "variant", "B HTTP status", "B output (first ids)", "A rows read by B", "verdict"]
+    head = ["pin", "variant", "B HTTP status", "B output (first ids)", "A rows read by B", "front door (decode)",
+            "verdict"]
     rows = [head]
     for pin, variants in report["pins"].items():
         for name, res in variants.items():
@@ -190,9 +198,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors or not hardened_blocked(report) else 0
 
 
+FRONT_DOOR_BOUND_S = 5.0
+
+
+def front_door_released(res: dict[str, Any]) -> bool:
+    """Decode answered the front-door refusal with a 4xx, promptly, without generating."""
+    door = res.get("front_door") or {}
+    status = door.get("decode_status") or 0
+    return 400 <= status < 500 and door.get("decode_elapsed_s", 1e9) < FRONT_DOOR_BOUND_S and not door.get(
+        "decode_generated", True)
+
+
 def hardened_blocked(report: dict[str, Any]) -> bool:
     """Every hardened column: B refused (4xx), no completion, none of A's KV read, both allocators back to full
-    capacity at quiesce, and the default capacity gate refused the scenario's pools."""
+    capacity at quiesce, a front-door refusal released decode promptly, and the default capacity gate refused
+    the scenario's pools."""
     for variants in report["pins"].values():
         res = variants.get("hardened")
         if res is None:
@@ -202,6 +222,6 @@ def hardened_blocked(report: dict[str, Any]) -> bool:
             return False
         if not (res.get("capacity_default") or {}).get("refused"):
             return False
-        if not res.get("pools_full_at_quiesce"):
+        if not res.get("pools_full_at_quiesce") or not front_door_released(res):
             return False
     return True

@@ -165,6 +165,23 @@ def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) 
     assert not _decode_generated_for(pair, "router-B")
 
 
+def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: str) -> None:
+    """Prefill's tokenizer refuses the prompt (longer than the context) before its scheduler sees it; decode,
+    holding a reservation for the same room, answers 400 with prefill's message within 5 s and frees it."""
+    from sglang_harden.testbed.incident import front_door_round
+
+    pair = pairs("hardened")
+    door = front_door_round(pair, SETUP, tag="hardened-")
+    assert door["prefill"]["status"] == 400, door
+    assert door["decode_status"] == 400, door
+    assert "context length" in (door["decode_error"] or ""), door
+    assert door["decode_elapsed_s"] < PROMPT_BOUND_S, door
+    assert not door["decode_generated"], door
+    state = _wait_pool_full(pair.decode)
+    assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
+    assert state["lifecycle"] is None or state["lifecycle"].get("quarantined_pages") == 0, state
+
+
 def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> None:
     pair = pairs("hardened")
     _send_a_then_b(pair, "quiesce")

@@ -9,6 +9,8 @@ warm-up round, then rounds with tenant A seeds (1, 2, 1, 2), each round A then t
   they fail if the leak stops reproducing on a vanilla pin.
 - pins with "reject_and_hold" (0.5.20+): records upstream behaviour: prefill answers 400 with the
   length message, decode never answers 200 and holds its reservation until the (lowered) waiting timeout.
+- every pin: a request refused at prefill's front door (tokenizer validation) leaves decode holding its
+  reservation until the waiting timeout; both allocators are full again once the pair is quiet.
 """
 
 from __future__ import annotations
@@ -89,6 +91,22 @@ def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -
     assert "timed out" in (res["b_decode_error"] or ""), res["b_decode_error"]
     assert res["pages_of_a_read_by_b"] == 0
     assert res["verdict"].startswith("rejected; decode held")
+
+
+@pytest.mark.parametrize("pin", list(RECIPES))
+def test_front_door_refusal_leaves_decode_holding(incident: Any, pin: str) -> None:
+    """Prefill's tokenizer refuses a prompt longer than the context; decode, holding a reservation for the
+    request, hears nothing and waits out its timeout (every vanilla pin). Hardened: test_guards_e2e."""
+    door = incident(pin)["front_door"]
+    assert door["prefill"]["status"] == 400 and "context length" in (door["prefill_error"] or ""), door
+    assert door["decode_status"] != 200, door
+    assert door["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, door
+    assert not door["decode_generated"], door
+
+
+@pytest.mark.parametrize("pin", list(RECIPES))
+def test_pools_full_at_quiesce(incident: Any, pin: str) -> None:
+    assert incident(pin)["pools_full_at_quiesce"], incident(pin)["pools_at_quiesce"]
 
 
 NIXL_PINS = [p for p, r in RECIPES.items() if "nixl" in r.transfer_backends]

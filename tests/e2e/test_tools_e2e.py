@@ -6,9 +6,9 @@ One pair at a time (module-scoped fixtures, stopped by the testbed, which kills 
   and the evidence (oversized prompt answered 200; B's output depends on A's traffic).
 - vanilla 0.5.19, symmetric pools: audit finds no sizing problem (``--ignore guards_missing``: vanilla has no
   guards to show).
-- hardened (``python -m sglang_harden.launch_server``): DEPENDS ON THE LEAD'S GUARDS (issue 3: admission,
-  retire, coverage, abort notification; their counters on ``/metrics`` with ``--enable-metrics``). Probe must
-  pass on the same asymmetric pools (capacity gate in ``log`` mode so the request-path guards are what stop
+- hardened (``python -m sglang_harden.launch_server``, ``--enable-metrics``): probe must pass on the same
+  asymmetric pools, and prefill's ``/metrics`` shows ``sglang_harden_guard_decisions_total`` for the
+  admission rejections it made (capacity gate in ``log`` mode so the request-path guards are what stop
   the leak), and audit of a hardened symmetric pair must exit 0 with guards visible.
 """
 
@@ -165,8 +165,8 @@ def hardened_asymmetric() -> Iterator[Any]:
 
 
 def test_probe_passes_on_hardened_pair(hardened_asymmetric: Any) -> None:
-    """DEPENDS ON: admission (400 at the prefill door), retire, coverage and abort notification (decode lets
-    go of B's reservation promptly), all from issue 3."""
+    """Admission (400 at the prefill door), retire, coverage and abort notification (decode lets go of B's
+    reservation promptly) make every isolation probe pass."""
     code, data = cli(
         "probe", *pair_args(hardened_asymmetric), "--seed", "7", "--max-requests", "40", "--time-budget", "400"
     )
@@ -178,3 +178,11 @@ def test_probe_passes_on_hardened_pair(hardened_asymmetric: Any) -> None:
     code, audit = cli("audit", hardened_asymmetric.prefill.url, hardened_asymmetric.decode.url)
     assert all(node["armed_guards"] or node["guards"] for node in audit["nodes"]), audit
     assert "guards_missing" not in {f["code"] for f in audit["findings"]}
+    # the decision counter itself, as Prometheus scrapes it from SGLang's /metrics (multiprocess collector)
+    import urllib.request
+
+    from sglang_harden.tools.audit import parse_guard_counters
+
+    with urllib.request.urlopen(hardened_asymmetric.prefill.url + "/metrics", timeout=10) as response:
+        counters = parse_guard_counters(response.read().decode())
+    assert counters.get("admission", {}).get("reject", 0) >= 1, counters

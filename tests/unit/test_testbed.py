@@ -231,3 +231,35 @@ def test_free_ports_sit_below_the_ephemeral_range() -> None:
     for _ in range(20):
         port = procs.free_port(span=3)
         assert port + 3 <= low, (port, low)
+
+
+def _hardened_column(**changes: object) -> dict[str, object]:
+    column: dict[str, object] = {
+        "b_status": 400,
+        "b_output_ids": None,
+        "pages_of_a_read_by_b": 0,
+        "capacity_default": {"refused": True},
+        "pools_full_at_quiesce": True,
+        "front_door": {"decode_status": 400, "decode_elapsed_s": 0.6, "decode_generated": False},
+    }
+    column.update(changes)
+    return column
+
+
+@pytest.mark.parametrize(
+    ("changes", "blocked"),
+    [
+        ({}, True),
+        ({"b_status": 200}, False),
+        ({"pages_of_a_read_by_b": 3}, False),
+        ({"pools_full_at_quiesce": False}, False),
+        ({"front_door": {"decode_status": 500, "decode_elapsed_s": 20.1, "decode_generated": False}}, False),
+        ({"front_door": {"decode_status": 400, "decode_elapsed_s": 9.0, "decode_generated": False}}, False),
+        ({"front_door": None}, False),
+        ({"capacity_default": {"refused": False}}, False),
+    ],
+)
+def test_demo_hardened_verdict_needs_every_condition(changes: dict[str, object], blocked: bool) -> None:
+    report = {"pins": {"0.5.19": {"hardened": _hardened_column(**changes)}}}
+    assert demo.hardened_blocked(report) is blocked
+    assert demo.render_table(report)
