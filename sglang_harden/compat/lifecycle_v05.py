@@ -1,10 +1,10 @@
-"""Page lifecycle and page ownership tags on SGLang 0.5.19 … 0.5.23 (Mooncake transfer backend).
+"""Page lifecycle and page ownership tags on SGLang 0.5.19 … 0.5.23 (Mooncake and NIXL transfer backends).
 
 The per-node :class:`~sglang_harden.guards.lifecycle.PageLedger` is fed from SGLang's own choke points:
 
 decode
-  * ``MooncakeKVReceiver.send_metadata(kv_indices, …)``: the request's destination pages leave this node
-    -> ``reserve`` + ``begin_write`` (owner ``room:<bootstrap_room>``);
+  * ``MooncakeKVReceiver.send_metadata(kv_indices, …)`` / ``NixlKVReceiver.send_metadata``: the request's
+    destination pages leave this node -> ``reserve`` + ``begin_write`` (owner ``room:<bootstrap_room>``);
   * ``DecodeTransferQueue._commit_transfer_to_req``: the transfer reported Success on every rank ->
     ``finish_write``, then the page-tag check of the request's page table (abort, never generate);
   * the allocator's free (``TokenToKVPoolAllocator.free``, ``PagedTokenToKVPoolAllocator._release_page_ids``):
@@ -16,14 +16,16 @@ decode
   * ``DecodePreallocQueue.add``: at the quarantine cap new PD requests get HTTP 503.
 
 prefill
-  * ``MooncakeKVManager.add_transfer_request``: the chunk's source pages are held for its room;
+  * ``MooncakeKVManager.add_transfer_request`` / ``NixlKVManager.add_transfer_request``: the chunk's source
+    pages are held for its room;
   * the allocator's free keeps held pages back until the room settled (no chunk dequeued or in flight, and
     the room concluded or gone); ``process_disagg_prefill_inflight_queue`` releases settled rooms.
 
 Both roles: ``Scheduler.__init__`` makes prefill send drain acknowledgements
 (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``) and bounds each Mooncake transfer batch to
 ``transfer_window_pages`` pages (``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES`` where the pin has it, else
-``send_kvcache`` is split here). All decisions come from ``guards.lifecycle`` and ``guards.page_tags``.
+``send_kvcache`` is split here; NIXL transfers are not windowed). Any other backend (e.g. MORI) refuses to
+start while the lifecycle guard is on. All decisions come from ``guards.lifecycle`` and ``guards.page_tags``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ DECODE = "sglang.srt.disaggregation.decode"
 PREFILL = "sglang.srt.disaggregation.prefill"
 CONN = "sglang.srt.disaggregation.common.conn"
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+NIXL = "sglang.srt.disaggregation.nixl.conn"
+# Transfer backends whose receiver/manager the ledger is fed from; any other backend refuses to start.
+BACKEND_MODULES = {"mooncake": MOONCAKE, "nixl": NIXL}
 SCHEDULER = "sglang.srt.managers.scheduler"
 ALLOC_TOKEN = "sglang.srt.mem_cache.allocator.token"
 ALLOC_PAGED = "sglang.srt.mem_cache.allocator.paged"
@@ -774,6 +779,7 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.free", ("self", "free_index"), _token_free),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self",), _paged_release),
     Hook("lifecycle", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
+    Hook("lifecycle", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
     Hook("lifecycle", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _confirmations_first),
     Hook("lifecycle", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"), _quarantine_door),
     Hook("lifecycle", CONN, "CommonKVManager.note_abort_ack", ("self", "bootstrap_room", "prefill_rank"),
@@ -781,6 +787,8 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", CONN, "CommonKVManager._handle_node_failure", ("self", "failed_bootstrap_addr"),
          _note_gone),
     Hook("lifecycle", MOONCAKE, "MooncakeKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
+         _hold_sources),
+    Hook("lifecycle", NIXL, "NixlKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
          _hold_sources),
     Hook("lifecycle", PREFILL, "SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
          ("self",), _settle_after_inflight),
@@ -797,3 +805,17 @@ HOOKS: list[Hook] = [
 ]
 
 ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"}}
+
+
+def needed_on_backend(hook: Hook, backend: str) -> bool:
+    """A hook into one transfer backend's module is needed only in processes that use that backend."""
+    return hook.module not in BACKEND_MODULES.values() or hook.module == BACKEND_MODULES.get(backend)
+
+
+def check_backend(role: str, backend: str) -> str | None:
+    """Why the lifecycle guards cannot run on ``backend`` (None: they can)."""
+    if role not in ("prefill", "decode") or RUNTIME.config.lifecycle is Mode.OFF or backend in BACKEND_MODULES:
+        return None
+    return (f"sglang-harden page lifecycle supports the {'/'.join(BACKEND_MODULES)} transfer backends, not "
+            f"{backend!r}; use one of those or start with --harden-lifecycle off (the page ledger then does not "
+            "guard against late writes)")

@@ -185,7 +185,7 @@ def _scheduler_started(original: Func) -> Func:
     def init(self: Any, server_args: Any, port_args: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, server_args, port_args, *args, **kwargs)
         role = role_of(self)
-        _verify_in_process(role)
+        _verify_in_process(role, str(getattr(server_args, "disaggregation_transfer_backend", "")))
         capacity_gate(self)
         if role == "prefill":
             RUNTIME.start_publisher(bootstrap_base_url(self))
@@ -226,10 +226,18 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
     }
 
 
-def _verify_in_process(role: str) -> None:
+def _needed_here(hook: Hook, role: str, backend: str) -> bool:
+    in_role = role in ROLES_BY_OWNER.get(hook.owner, {role})
+    return in_role and in_scheduler(hook) and lifecycle_v05.needed_on_backend(hook, backend)
+
+
+def _verify_in_process(role: str, backend: str) -> None:
     from sglang_harden.compat.hooks import registered_hooks
 
-    needed = [h for h in registered_hooks() if role in ROLES_BY_OWNER.get(h.owner, {role}) and in_scheduler(h)]
+    unsupported = lifecycle_v05.check_backend(role, backend)
+    if unsupported:
+        raise HardenRefusal(unsupported)
+    needed = [h for h in registered_hooks() if _needed_here(h, role, backend)]
     gaps = missing(needed)
     if gaps:
         raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))

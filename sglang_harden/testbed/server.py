@@ -270,11 +270,15 @@ class Server(_Process):
         raise self._fail("no server info endpoint answered")
 
     def pool(self) -> dict[str, Any]:
-        """KV allocator occupancy of the first scheduler (testbed pool reporter): total, available, evictable."""
+        """KV allocator occupancy of the first scheduler (testbed pool reporter): total, available, evictable,
+        full; on a hardened server also ``harden_lifecycle`` (its page-ledger report)."""
         states = self.server_info().get("internal_states") or [{}]
         numbers = dict(states[0].get("testbed_pool") or {})
         if "total" in numbers:
             numbers["full"] = numbers["available"] + numbers["evictable"] >= numbers["total"]
+        harden = states[0].get("sglang_harden")
+        if isinstance(harden, dict):  # hardened server: its page-lifecycle report rides along
+            numbers["harden_lifecycle"] = harden.get("lifecycle")
         return numbers
 
     def wait_pool_full(self, timeout: float) -> dict[str, Any]:

@@ -125,3 +125,23 @@ def test_nixl_backend_same_upstream_behaviour(require_pin: Any, tmp_path: Path, 
     else:
         assert res["b_prefill_status"] == 400 and res["b_status"] != 200
         assert res["verdict"].startswith("rejected; decode held")
+
+
+@pytest.mark.parametrize("pin", NIXL_PINS)
+def test_nixl_backend_hardened(require_pin: Any, tmp_path: Path, pin: str) -> None:
+    """Hardened over NIXL: both schedulers start with the page ledger fed from NIXL's receiver/manager, A is
+    served, B refused at both doors, the front-door refusal reaches decode promptly, both pools full after."""
+    require_pin(pin)
+    res = run_incident(pin, hardened=True, setup=SETUP, log_dir=tmp_path, transfer_backend="nixl",
+                       harden_env={"SGLANG_HARDEN_CAPACITY": "log"}, progress=_progress)
+    warm = res["warmup"]
+    assert (warm["a_prefill_status"], warm["a_decode_status"]) == (200, 200), warm
+    assert (res["b_prefill_status"], res["b_status"]) == (400, 400), res
+    assert res["pages_of_a_read_by_b"] == 0 and not res["b_output_ids"]
+    door = res["front_door"]
+    assert door["decode_status"] == 400 and door["decode_elapsed_s"] < 5.0, door
+    assert res["pools_full_at_quiesce"], res["pools_at_quiesce"]
+    decode_ledger = res["pools_at_quiesce"]["decode"]["harden_lifecycle"]
+    prefill_ledger = res["pools_at_quiesce"]["prefill"]["harden_lifecycle"]
+    assert decode_ledger["role"] == "decode" and decode_ledger["quarantined_pages"] == 0, decode_ledger
+    assert prefill_ledger["role"] == "prefill" and prefill_ledger["source_pages_held_back"] == 0, prefill_ledger

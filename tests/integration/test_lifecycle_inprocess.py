@@ -378,3 +378,16 @@ def test_poisoned_room_is_acked_after_the_write_lifetime(sglang_modules: dict[st
         assert sent == [("dict", ROOM_A, 1)]
     finally:
         lifecycle_v05.NODE = None
+
+
+def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
+    """The ledger is fed from NIXL's receiver/manager too (hook targets exist with the expected signature)."""
+    from sglang_harden.compat.hooks import is_in_place
+
+    try:
+        import sglang.srt.disaggregation.nixl.conn  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"NIXL is not installed in this pin's venv ({exc}); ci/pins.toml lists it for 0.5.23")
+    nixl_hooks = [h for h in lifecycle_v05.HOOKS if h.module == lifecycle_v05.NIXL]
+    assert {h.qualname for h in nixl_hooks} == {"NixlKVReceiver.send_metadata", "NixlKVManager.add_transfer_request"}
+    assert all(is_in_place(h) for h in nixl_hooks)
