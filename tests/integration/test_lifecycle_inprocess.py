@@ -154,28 +154,23 @@ def _peer_abort(node: DecodeNode, receiver: Receiver, sent_kv: bool) -> None:
     shared.fail_receiver_room(receiver, notify.PeerAbort(receiver.bootstrap_room, 400, "too long", sent_kv))
 
 
-def test_room_refused_before_any_sender_is_released_at_once(allocator: Any) -> None:
-    """Prefill refused the room at its door (no sender, no write can come): decode frees, no quarantine."""
+@pytest.mark.parametrize(
+    ("sent_kv", "quarantined"),
+    [(False, 0), (True, 20)],
+    ids=["refused-before-any-sender-released-at-once", "aborted-after-a-chunk-waits-for-the-ack"],
+)
+def test_peer_abort_releases_only_rooms_never_written(allocator: Any, sent_kv: bool, quarantined: int) -> None:
+    """Prefill refused the room before any sender existed: no write can come, decode frees at once. Otherwise
+    prefill's word is not a drain: the pages wait in quarantine for the ack."""
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node
     a = allocator.alloc(20)
     receiver = Receiver(ROOM_A)
     _publish(receiver, a)
-    _peer_abort(node, receiver, sent_kv=False)
+    _peer_abort(node, receiver, sent_kv=sent_kv)
     allocator.free(a)
-    assert node.ledger.quarantined_count() == 0
-    assert allocator.available_size() == POOL
-
-
-def test_room_aborted_after_a_chunk_may_have_gone_stays_quarantined(allocator: Any) -> None:
-    node = DecodeNode.for_allocator(allocator, cap=40)
-    lifecycle_v05.NODE = node
-    a = allocator.alloc(20)
-    receiver = Receiver(ROOM_B)
-    _publish(receiver, a)
-    _peer_abort(node, receiver, sent_kv=True)
-    allocator.free(a)
-    assert node.ledger.quarantined_count() == 20, "prefill's word is not a drain: wait for the ack"
+    assert node.ledger.quarantined_count() == quarantined
+    assert allocator.available_size() == POOL - quarantined
 
 
 def test_never_started_from_another_prefill_does_not_release(allocator: Any) -> None:

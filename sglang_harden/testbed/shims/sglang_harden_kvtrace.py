@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from sglang_harden._importhook import when_imported
+from sglang_harden.testbed.shimkit import wrap_methods_once
 
 _lock = threading.Lock()
 _owners: dict[int, tuple[str, str]] = {}  # slot -> (rid of the last owner at its release, row hash)
@@ -174,12 +175,8 @@ def _wrap_process_batch_result(original: Any) -> Any:
 
 
 def _patch_scheduler(module: ModuleType) -> None:
-    cls = module.Scheduler
-    if getattr(cls, "_sglang_harden_kvtrace", False):
-        return
-    cls.run_batch = _wrap_run_batch(cls.run_batch)
-    cls.process_batch_result = _wrap_process_batch_result(cls.process_batch_result)
-    cls._sglang_harden_kvtrace = True
+    wrappers = {"run_batch": _wrap_run_batch, "process_batch_result": _wrap_process_batch_result}
+    wrap_methods_once(module.Scheduler, "_sglang_harden_kvtrace", wrappers)
 
 
 def install() -> None:

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from sglang_harden._importhook import when_imported
+from sglang_harden.testbed.shimkit import wrap_methods_once
 
 
 def pool_numbers(scheduler: Any) -> dict[str, int]:
@@ -40,11 +41,7 @@ def _wrap(original: Any) -> Any:
 
 
 def _patch_scheduler(module: ModuleType) -> None:
-    cls = module.Scheduler
-    if getattr(cls, "_sglang_harden_poolreport", False):
-        return
-    cls.get_internal_state = _wrap(cls.get_internal_state)
-    cls._sglang_harden_poolreport = True
+    wrap_methods_once(module.Scheduler, "_sglang_harden_poolreport", {"get_internal_state": _wrap})
 
 
 def install() -> None:
