@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from sglang_harden._importhook import when_imported
-from sglang_harden.testbed.shimkit import wrap_methods_once
+from sglang_harden_shimkit import wrap_methods_once
 
 
 def pool_numbers(scheduler: Any) -> dict[str, int]:
