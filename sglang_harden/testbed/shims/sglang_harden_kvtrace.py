@@ -24,8 +24,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sglang_harden._importhook import when_imported
 from sglang_harden_shimkit import wrap_methods_once
+
+from sglang_harden._importhook import when_imported
 
 _lock = threading.Lock()
 _owners: dict[int, tuple[str, str]] = {}  # slot -> (rid of the last owner at its release, row hash)

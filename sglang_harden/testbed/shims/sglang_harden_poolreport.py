@@ -12,8 +12,9 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from sglang_harden._importhook import when_imported
 from sglang_harden_shimkit import wrap_methods_once
+
+from sglang_harden._importhook import when_imported
 
 
 def pool_numbers(scheduler: Any) -> dict[str, int]:
