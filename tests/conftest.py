@@ -3,6 +3,8 @@
 - ``--pins`` (default: env ``SGLANG_HARDEN_PINS``, else the CI pins of ``ci/pins.toml``) selects the SGLang
   pins that per-pin tests run for. A selected pin whose venv is missing FAILS its tests with the command that
   builds it; unselected pins are skipped.
+- Under pytest-xdist (``-n``), every test of one SGLang pin in one module runs on the same worker (its
+  module-scoped server pairs start once), and each worker checks only the processes it started.
 - Every process group the testbed starts is recorded (in memory, and in a pid file that subprocesses started
   by tests append to through ``SGLANG_HARDEN_TESTBED_PIDFILE``); at session end any of them still alive is
   killed and the session fails.
@@ -40,11 +42,27 @@ def selected_pins(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not os.environ.get(PIDFILE_ENV):
+    if not os.environ.get(PIDFILE_ENV) or hasattr(config, "workerinput"):
         fd, path = tempfile.mkstemp(prefix="sglang-harden-pids-", suffix=".txt")
         os.close(fd)
         os.environ[PIDFILE_ENV] = path
         config._sglang_harden_pidfile = path  # type: ignore[attr-defined]
+
+
+def _item_pin(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "pin" in callspec.params:
+        return str(callspec.params["pin"])
+    pin = getattr(getattr(item, "module", None), "PIN", None)
+    return pin if isinstance(pin, str) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One xdist group per (module, pin): a module's pairs for a pin are started by one worker only."""
+    for item in items:
+        pin = _item_pin(item)
+        if pin is not None:
+            item.add_marker(pytest.mark.xdist_group(name=f"{item.module.__name__}@{pin}"))
 
 
 @pytest.fixture(scope="session")
