@@ -57,6 +57,13 @@ def record(decision: Decision, mode: Mode, **context: object) -> bool:
     counter = _prometheus_counter()
     if counter is not None:
         counter.labels(guard=decision.guard, decision=label).inc()  # type: ignore[attr-defined]
+    level = logging.DEBUG if decision.allows else logging.WARNING
+    if logger.isEnabledFor(level):  # an allow on the hot path costs a counter bump, not a JSON dump
+        logger.log(level, "%s %s", LOG_TAG, _log_line(decision, mode, label, context))
+    return applied and not decision.allows
+
+
+def _log_line(decision: Decision, mode: Mode, label: str, context: dict[str, object]) -> str:
     line = {
         "event": LOG_TAG,
         "guard": decision.guard,
@@ -69,9 +76,7 @@ def record(decision: Decision, mode: Mode, **context: object) -> bool:
         **decision.fields,
         **context,
     }
-    level = logging.DEBUG if decision.allows else logging.WARNING
-    logger.log(level, "%s %s", LOG_TAG, json.dumps(line, default=str, sort_keys=True))
-    return applied and not decision.allows
+    return json.dumps(line, default=str, sort_keys=True)
 
 
 def snapshot() -> dict[str, int]:

@@ -1,0 +1,58 @@
+"""The evidence every guard decision leaves: a count (and Prometheus counter) plus one structured log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from sglang_harden import events
+from sglang_harden.config import Mode
+from sglang_harden.guards.base import Decision, Verdict, allow
+
+REJECT = Decision("admission", Verdict.REJECT, "Input length (300 tokens) exceeds", 400, {"rid": "B"})
+
+
+@pytest.fixture(autouse=True)
+def clean_counts() -> None:
+    events.reset_for_tests()
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    out = []
+    for record in caplog.records:
+        text = record.getMessage()
+        if text.startswith(events.LOG_TAG + " "):
+            out.append(json.loads(text.split(" ", 1)[1]))
+    return out
+
+
+def test_enforced_rejection_is_counted_logged_and_applied(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="sglang_harden"):
+        assert events.record(REJECT, Mode.ENFORCE, room=7) is True
+    assert events.snapshot() == {"admission:reject": 1}
+    (line,) = _lines(caplog)
+    assert (line["guard"], line["decision"], line["room"], line["status_code"]) == ("admission", "reject", 7, 400)
+
+
+def test_log_mode_counts_under_its_own_label_and_does_not_apply(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="sglang_harden"):
+        assert events.record(REJECT, Mode.LOG) is False
+    assert events.snapshot() == {"admission:reject_logged": 1}
+    assert _lines(caplog)[0]["decision"] == "reject_logged"
+
+
+def test_off_mode_decides_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="sglang_harden"):
+        assert events.record(REJECT, Mode.OFF) is False
+    assert events.snapshot() == {} and _lines(caplog) == []
+
+
+def test_allow_is_counted_and_logged_only_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="sglang_harden"):
+        assert events.record(allow("lifecycle", room=1), Mode.ENFORCE) is False
+    assert events.snapshot() == {"lifecycle:allow": 1} and _lines(caplog) == []
+    with caplog.at_level(logging.DEBUG, logger="sglang_harden"):
+        events.record(allow("lifecycle", room=2), Mode.ENFORCE)
+    assert _lines(caplog)[-1]["room"] == 2
