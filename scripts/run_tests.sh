@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up the CI pins' environments (reused between runs) and run the whole test suite.
 #   scripts/run_tests.sh [pytest args...]     e.g. scripts/run_tests.sh -m "not e2e"
-# The suite runs under the system python3 (pytest + hypothesis); e2e tests start servers with the pin venvs'
-# pythons. SGLANG_HARDEN_PINS (or pytest's --pins) chooses the pins; default: ci/pins.toml [ci].pins.
+# The suite runs under the system python3 (pytest + hypothesis + pytest-xdist); e2e tests start servers with the
+# pin venvs' pythons. SGLANG_HARDEN_TEST_WORKERS (default 2) sets the pytest-xdist workers.
+# SGLANG_HARDEN_PINS (or pytest's --pins) chooses the pins; default: ci/pins.toml [ci].pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c 'import pytest, hypothesis' 2>/dev/null || python3 -m pip install -q 'pytest>=8' 'hypothesis>=6'
+python3 -c 'import pytest, hypothesis, xdist' 2>/dev/null || python3 -m pip install -q 'pytest>=8' 'hypothesis>=6' \
+  'pytest-xdist>=3.5'
 pins="${SGLANG_HARDEN_PINS:---ci}"
 pins="${pins//,/ }"
 [[ "$pins" == "all" ]] && pins="--all"
@@ -22,4 +24,7 @@ done
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
   tests/unit/test_canary.py tests/integration/test_digest_agreement.py
-exec python3 -m pytest -ra "$@"
+# Two workers: the e2e tests spend most of their time waiting on servers (start-up, timeouts); each worker
+# runs whole (module, pin) groups, so a module's pairs for one pin start once (tests/conftest.py).
+workers="${SGLANG_HARDEN_TEST_WORKERS:-2}"
+exec python3 -m pytest -ra -n "$workers" --dist loadgroup "$@"

@@ -37,6 +37,7 @@ TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_BOUND_S = 5.0
 HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
 NORMAL_SEEDS = (11, 12, 13)
+RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
 
 
 def _say(msg: str) -> None:
@@ -93,7 +94,8 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
     from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
-    env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(SETUP.waiting_timeout_s)}
+    env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(SETUP.waiting_timeout_s),
+           "SGLANG_HARDEN_TESTBED_ABORT_BEFORE_SEND": RETIRE_PREFIX}
     if hardened:
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", **HARDEN_ENV})
     pair = PDPair(
@@ -216,6 +218,28 @@ def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     assert "prefill sent KV for 250 tokens but decode reserved 300" in h.decode.error_message(), h.decode.summary()
     assert h.decode.elapsed_s < PROMPT_BOUND_S
     assert _wait_pool_full(hardened.decode).get("available_tokens") is not None
+
+
+def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: str) -> None:
+    """Prefill aborts a request after its forward, before the final KV send (test hook). Vanilla still sends
+    the KV and "transfer complete", and decode generates for a request prefill gave up on; hardened retires
+    it: no final send, the sender failed, decode answers an error promptly and never generates."""
+    body = greedy_body(tenant_a_prompt(5, 120), SETUP.new_tokens, rid=f"{RETIRE_PREFIX}vanilla")
+    v = pairs("vanilla-truncate").generate(body, timeout=SETUP.waiting_timeout_s + 60)
+    assert v.decode.ok and v.decode.output_ids, ("vanilla no longer sends an aborted request", v.decode.summary())
+    hardened = pairs("hardened-truncate")
+    body = greedy_body(tenant_a_prompt(5, 120), SETUP.new_tokens, rid=f"{RETIRE_PREFIX}hardened")
+    h = hardened.generate(body, timeout=SETUP.waiting_timeout_s + 60)
+    assert h.decode.status >= 400 and not h.decode.output_ids, h.decode.summary()
+    assert h.decode.elapsed_s < PROMPT_BOUND_S, h.decode.summary()
+    assert "before the final KV send" in h.decode.error_message(), h.decode.summary()
+    assert not _decode_generated_for(hardened, f"{RETIRE_PREFIX}hardened")
+    assert _retire_count(hardened.prefill) >= 1
+
+
+def _retire_count(server: Server) -> int:
+    decisions = _harden_state(server).get("decisions", {})
+    return int(decisions.get("retire:abort", 0)) + int(decisions.get("retire:reject", 0))
 
 
 def test_normal_requests_unchanged(pairs: PairFactory, pin: str) -> None:

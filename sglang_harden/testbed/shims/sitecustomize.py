@@ -266,6 +266,10 @@ def _main() -> None:
         import sglang_harden_latewrite
 
         sglang_harden_latewrite.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_ABORT_BEFORE_SEND"):
+        import sglang_harden_abortsend
+
+        sglang_harden_abortsend.install()
     if os.environ.get("SGLANG_HARDEN_TESTBED_MISOWN_ROOM"):
         import sglang_harden_misown
 
