@@ -16,15 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import notify
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
+    RequestReader,
     bootstrap_base_url,
     bootstrap_routes,
     capacity_gate,
-    largest_accepted_prompt,
+    door,
     peer_status_abort,
+    retire_final_send,
     role_of,
     tokenization_refusal,
     tokenizer_learns_limit,
@@ -32,8 +33,8 @@ from sglang_harden.compat.shared import (
     watch_receiver,
 )
 from sglang_harden.config import Mode
-from sglang_harden.guards import admission, coverage, retire
-from sglang_harden.guards.admission import AdmissionView, PendingRejection
+from sglang_harden.guards import coverage
+from sglang_harden.guards.admission import PendingRejection
 from sglang_harden.guards.base import Decision
 
 logger = logging.getLogger("sglang_harden")
@@ -69,11 +70,6 @@ def is_aborted(req: Any) -> bool:
     return bool(getattr(req, "to_abort", False))
 
 
-def _room(req: Any) -> int | None:
-    room = getattr(req, "bootstrap_room", None)
-    return None if room is None else int(room)
-
-
 def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) -> None:
     from sglang.srt.disaggregation.utils import prepare_abort
 
@@ -81,65 +77,14 @@ def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) 
     scheduler.stream_output([req], req.return_logprob)
 
 
-def _publish_peer_abort(room: int | None, decision: Decision, *, sent_kv: bool) -> None:
-    if room is None or RUNTIME.publisher is None:
-        return
-    RUNTIME.publisher.publish(notify.PeerAbort(room, decision.status_code or 500, decision.reason, sent_kv))
-
-
-# ---------------------------------------------------------------- admission (both doors)
+READER = RequestReader(pending_rejection, is_aborted, _abort_and_stream)
 
 
 def _door(role: str) -> Callable[[Func], Func]:
-    """``PrefillBootstrapQueue.add(req, num_kv_heads)`` / ``DecodePreallocQueue.add(req, is_retracted)``."""
-
-    def make(original: Func) -> Func:
-        def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-            if role == "decode" and _is_retracted(args, kwargs):
-                return original(self, req, *args, **kwargs)
-            scheduler = self.scheduler
-            view = AdmissionView(
-                rid=str(req.rid),
-                role=role,
-                prompt_len=len(req.origin_input_ids),
-                pending=pending_rejection(req),
-                limit=largest_accepted_prompt(scheduler),
-            )
-            decision = admission.decide_admission(view)
-            if events.record(decision, RUNTIME.config.admission, room=_room(req)):
-                _abort_and_stream(scheduler, req, decision.reason, decision.status_code or 400)
-                if role == "prefill":
-                    _publish_peer_abort(_room(req), decision, sent_kv=False)
-                return None
-            return original(self, req, *args, **kwargs)
-
-        return add
-
-    return make
+    return door(role, READER)
 
 
-def _is_retracted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """A retracted request re-enters decode's door with its own KV (offloaded, not transferred)."""
-    return bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
-
-
-# ---------------------------------------------------------------- retire (prefill final send)
-
-
-def _retire_final_send(original: Func) -> Func:
-    def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
-        if last_chunk:
-            view = retire.RetireView(str(req.rid), pending_rejection(req), is_aborted(req))
-            decision = retire.decide_final_send(view)
-            if events.record(decision, RUNTIME.config.retire, room=_room(req)):
-                sender = getattr(req, "disagg_kv_sender", None)
-                if sender is not None:
-                    sender.abort()
-                _publish_peer_abort(_room(req), decision, sent_kv=True)
-                return None
-        return original(self, req, last_chunk, end_idx)
-
-    return send_kv_chunk
+_retire_final_send = retire_final_send(READER)
 
 
 # ---------------------------------------------------------------- coverage

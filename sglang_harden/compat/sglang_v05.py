@@ -12,24 +12,25 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import lifecycle_v05, notify
+from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
+    RequestReader,
     bootstrap_base_url,
     bootstrap_routes,
     capacity_gate,
-    largest_accepted_prompt,
+    door,
     peer_status_abort,
+    retire_final_send,
     role_of,
     tokenization_refusal,
     tokenizer_learns_limit,
     validation_refusal,
     watch_receiver,
 )
-from sglang_harden.guards import admission, coverage, retire
-from sglang_harden.guards.admission import AdmissionView, PendingRejection
-from sglang_harden.guards.base import Decision
+from sglang_harden.guards import coverage
+from sglang_harden.guards.admission import PendingRejection
 
 logger = logging.getLogger("sglang_harden")
 
@@ -67,69 +68,20 @@ def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) 
     scheduler.output_streamer.stream_output([req], req.return_logprob)
 
 
-def _publish_peer_abort(room: int | None, decision: Decision, *, sent_kv: bool) -> None:
-    if room is None or RUNTIME.publisher is None:
-        return
-    RUNTIME.publisher.publish(notify.PeerAbort(int(room), decision.status_code or 500, decision.reason, sent_kv))
-
-
-# ---------------------------------------------------------------- admission (both doors)
-
-
-def _door(role: str) -> Callable[[Func], Func]:
-    def make(original: Func) -> Func:
-        def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-            if role == "decode" and _is_retracted(args, kwargs):
-                return original(self, req, *args, **kwargs)
-            scheduler = self.scheduler
-            view = AdmissionView(
-                rid=str(req.rid),
-                role=role,
-                prompt_len=len(req.origin_input_ids),
-                pending=pending_rejection(req),
-                limit=largest_accepted_prompt(scheduler),
-            )
-            decision = admission.decide_admission(view)
-            if events.record(decision, RUNTIME.config.admission, room=req.bootstrap_room):
-                _abort_and_stream(scheduler, req, decision.reason, decision.status_code or 400)
-                if role == "prefill":
-                    _publish_peer_abort(req.bootstrap_room, decision, sent_kv=False)
-                return None
-            return original(self, req, *args, **kwargs)
-
-        return add
-
-    return make
-
-
-def _is_retracted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """DecodePreallocQueue.add(req, is_retracted=False, ...): a retracted request re-enters with its own KV."""
-    return bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
-
-
-# ---------------------------------------------------------------- retire (prefill final send)
-
-
-def _retire_final_send(original: Func) -> Func:
-    def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
-        if last_chunk:
-            view = retire.RetireView(str(req.rid), pending_rejection(req), _is_aborted(req))
-            decision = retire.decide_final_send(view)
-            if events.record(decision, RUNTIME.config.retire, room=req.bootstrap_room):
-                sender = getattr(req, "disagg_kv_sender", None)
-                if sender is not None:
-                    sender.abort()
-                _publish_peer_abort(req.bootstrap_room, decision, sent_kv=True)
-                return None
-        return original(self, req, last_chunk, end_idx)
-
-    return send_kv_chunk
-
-
 def _is_aborted(req: Any) -> bool:
     from sglang.srt.disaggregation.utils import is_aborted
 
     return bool(is_aborted(req))
+
+
+READER = RequestReader(pending_rejection, _is_aborted, _abort_and_stream)
+
+
+def _door(role: str) -> Callable[[Func], Func]:
+    return door(role, READER)
+
+
+_retire_final_send = retire_final_send(READER)
 
 
 # ---------------------------------------------------------------- coverage

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat import notify
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode
-from sglang_harden.guards import capacity
+from sglang_harden.guards import admission, capacity, retire
 from sglang_harden.guards.abort_notify import decide_on_front_door_refusal, decide_on_peer_abort
-from sglang_harden.guards.base import Verdict
+from sglang_harden.guards.admission import AdmissionView, PendingRejection
+from sglang_harden.guards.base import Decision, Verdict
 
 logger = logging.getLogger("sglang_harden")
 
@@ -29,6 +31,82 @@ def largest_accepted_prompt(scheduler: Any) -> int | None:
     earlier, ``len >= max_req_input_len``, but serves exactly that many after ``--allow-auto-truncate``)."""
     limit = getattr(scheduler, "max_req_input_len", None)
     return None if limit is None else int(limit)
+
+
+@dataclass(frozen=True)
+class RequestReader:
+    """How one family reads and ends a ``Req``: the only per-family part of the door and retire hooks."""
+
+    pending_rejection: Callable[[Any], PendingRejection | None]
+    is_aborted: Callable[[Any], bool]
+    abort_and_stream: Callable[[Any, Any, str, int], None]
+
+
+def room_of(req: Any) -> int | None:
+    room = getattr(req, "bootstrap_room", None)
+    return None if room is None else int(room)
+
+
+def publish_peer_abort(room: int | None, decision: Decision, *, sent_kv: bool) -> None:
+    if room is None or RUNTIME.publisher is None:
+        return
+    RUNTIME.publisher.publish(notify.PeerAbort(room, decision.status_code or 500, decision.reason, sent_kv))
+
+
+def door(role: str, reader: RequestReader) -> Callable[[Func], Func]:
+    """``PrefillBootstrapQueue.add(req, …)`` / ``DecodePreallocQueue.add(req, is_retracted, …)``: the
+    admission decision before any bootstrap, allocation or transfer; prefill tells decode what it refused."""
+
+    def make(original: Func) -> Func:
+        def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+            if role == "decode" and is_retracted(args, kwargs):
+                return original(self, req, *args, **kwargs)
+            scheduler = self.scheduler
+            view = AdmissionView(
+                rid=str(req.rid),
+                role=role,
+                prompt_len=len(req.origin_input_ids),
+                pending=reader.pending_rejection(req),
+                limit=largest_accepted_prompt(scheduler),
+            )
+            decision = admission.decide_admission(view)
+            if events.record(decision, RUNTIME.config.admission, room=room_of(req)):
+                reader.abort_and_stream(scheduler, req, decision.reason, decision.status_code or 400)
+                if role == "prefill":
+                    publish_peer_abort(room_of(req), decision, sent_kv=False)
+                return None
+            return original(self, req, *args, **kwargs)
+
+        return add
+
+    return make
+
+
+def is_retracted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A retracted request re-enters decode's door with its own KV (offloaded, not transferred)."""
+    return bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
+
+
+def retire_final_send(reader: RequestReader) -> Callable[[Func], Func]:
+    """``send_kv_chunk(req, last_chunk, end_idx)``: an aborted or rejected request never sends its final
+    chunk; its sender is failed and decode is told (earlier chunks may have gone: ``sent_kv``)."""
+
+    def make(original: Func) -> Func:
+        def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
+            if last_chunk:
+                view = retire.RetireView(str(req.rid), reader.pending_rejection(req), reader.is_aborted(req))
+                decision = retire.decide_final_send(view)
+                if events.record(decision, RUNTIME.config.retire, room=room_of(req)):
+                    sender = getattr(req, "disagg_kv_sender", None)
+                    if sender is not None:
+                        sender.abort()
+                    publish_peer_abort(room_of(req), decision, sent_kv=True)
+                    return None
+            return original(self, req, last_chunk, end_idx)
+
+        return send_kv_chunk
+
+    return make
 
 
 def role_of(scheduler: Any) -> str:
