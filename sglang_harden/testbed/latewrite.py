@@ -46,7 +46,9 @@ class LateWriteSetup:
     a_len: int = 150
     b_len: int = 150
     b_new_tokens: int = 24
-    delay_s: float = 8.0
+    # The latest A's write lands after the engine call started; normally it lands earlier, when the scenario
+    # sees a victim that was sent after A's pages were released start decoding (trigger file).
+    delay_s: float = 12.0
     # The engine call for A gives up after this long and reports failure while A's bytes are still on the wire
     # (None: the write blocks the worker instead; Mooncake then serialises the pair's later transfers behind it).
     engine_timeout_s: float | None = 1.0
@@ -67,7 +69,8 @@ def _prompt(seed: int, length: int) -> list[int]:
 def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, router: bool = False) -> PDPair:
     env = {
         LATE_WRITE_ENV: f"{setup.delay_s}:{setup.room_a}"
-        + (f":timeout={setup.engine_timeout_s}" if setup.engine_timeout_s is not None else ""),
+        + (f":timeout={setup.engine_timeout_s}" if setup.engine_timeout_s is not None else "")
+        + f":trigger={trigger_path(log_dir)}",
         KVTRACE_ENV: str(log_dir / "kvtrace"),
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(setup.release_timeout_s),
         "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120",
@@ -96,6 +99,45 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         progress=True,
     )
     return pair.start()
+
+
+def trigger_path(log_dir: Path) -> Path:
+    return Path(log_dir) / "kvtrace" / "late-write-now"
+
+
+class LandingTrigger:
+    """Creates the trigger file once a victim sent after A's release starts decoding: A's late write then
+    lands while that victim decodes over the pages A was given (vanilla) or over its own pages (hardened)."""
+
+    def __init__(self, log_dir: Path, release_at: float) -> None:
+        self.trace, self.path, self.release_at = Path(log_dir) / "kvtrace", trigger_path(log_dir), release_at
+        self.eligible: set[str] = set()
+        self.fired_for: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sent(self, rid: str) -> None:
+        if time.time() >= self.release_at:
+            self.eligible.add(rid)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self.fired_for is None:
+            for event in read_kvtrace(self.trace):
+                if event.get("event") == "first_decode" and event.get("rid") in self.eligible:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self.path.touch()
+                    self.fired_for = str(event["rid"])
+                    return
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _landed(trace: Path) -> bool:
+    return any(w.get("event") == "late_write" for w in _late_writes(trace))
 
 
 def _pool(pair: PDPair) -> dict[str, Any]:
@@ -161,11 +203,22 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
     abort_status = _abort_on_decode(pair, "A-late")
     say(f"A aborted on decode at +{time.time() - t0:.1f}s (HTTP {abort_status})")
     victims: dict[str, PairResult] = {}
-    until = t0 + setup.abort_after_s + setup.delay_s + setup.victims_after_write_s
-    while time.time() < until or not victims:  # back-to-back victims span the moment the late write lands
-        rid = f"B{len(victims)}"
-        victims[rid] = victim(rid)
-        say(f"{rid} answered {victims[rid].decode.status} at +{time.time() - t0:.1f}s")
+    trace = pair.log_dir / "kvtrace"
+    # A's pages are back in vanilla's free list at the abort (<= 0.5.20) or after the release timeout (0.5.21+)
+    trigger = LandingTrigger(pair.log_dir, release_at=time.time() + setup.release_timeout_s + 0.5)
+    latest = t0 + setup.abort_after_s + setup.delay_s + setup.victims_after_write_s + 60
+    landed_at: float | None = None
+    try:  # back-to-back victims until the late write landed, then a few more
+        while time.time() < latest and (landed_at is None or time.time() < landed_at + setup.victims_after_write_s):
+            rid = f"B{len(victims)}"
+            trigger.sent(rid)
+            victims[rid] = victim(rid)
+            say(f"{rid} answered {victims[rid].decode.status} at +{time.time() - t0:.1f}s")
+            if landed_at is None and _landed(trace):
+                landed_at = time.time()
+    finally:
+        trigger.stop()
+    say(f"late write landed while {trigger.fired_for or 'no victim (timer fallback)'} decoded")
     thread.join(timeout=setup.delay_s + 60)
     pool = _quiesce(pair, setup)
     ref = victim("B-reference")
@@ -179,6 +232,7 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
     )
     return {
         "t0": t0,
+        "triggered_by": trigger.fired_for,
         "a": a_box.get("a"),
         "victims": victims,
         "ref": ref,
@@ -219,6 +273,7 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     return {
         "late_write_landed": any(w["event"] == "late_write" for w in writes),
         "late_write_t_rel": next((round(w["t"] - run["t0"], 2) for w in writes if w["event"] == "late_write"), None),
+        "late_write_triggered_by": run.get("triggered_by"),
         "victims": victims,
         "served_requests": sum(1 for v in victims.values() if v["status"] == 200),
         "corrupted_requests": sum(1 for v in victims.values() if v["corrupted"]),

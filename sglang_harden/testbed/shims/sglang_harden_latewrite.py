@@ -1,10 +1,13 @@
 """Fault injection (test-only): a Mooncake KV write that lands late. Enabled by SGLANG_HARDEN_TESTBED_LATE_WRITE.
 
-``SGLANG_HARDEN_TESTBED_LATE_WRITE="<delay_s>:<room>[,<room>…][:timeout=<s>]"`` acts on prefill's writes of the
+``SGLANG_HARDEN_TESTBED_LATE_WRITE="<delay_s>:<room>[,<room>…][:timeout=<s>][:trigger=<path>]"`` acts on prefill's
+writes of the
 listed bootstrap rooms (``MooncakeKVManager._transfer_data``, the call into the transfer engine):
 
 - without ``timeout``: the transfer worker sleeps ``delay_s``, then writes (a slow write that blocks the worker;
   Mooncake serialises all rooms of one decode session on one queue, so later transfers wait behind it);
+- with ``trigger=<path>``: the write lands as soon as ``path`` exists (the test creates it when a victim is
+  decoding), at the latest after ``delay_s``;
 - with ``timeout=<s>``: the engine call gives up after ``s`` seconds and reports failure (-1), while the write
   itself still lands ``delay_s`` after it started, from another thread: a timed-out batch whose bytes are
   still on the wire. This is the path upstream's drain ack cannot see (the worker has moved on). A failed
@@ -32,7 +35,11 @@ ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
 _tls = threading.local()
 
 
+_trigger: Path | None = None
+
+
 def parse(raw: str) -> tuple[float, set[int], float | None]:
+    global _trigger
     parts = raw.split(":")
     delay, rooms = float(parts[0]), {int(r) for r in parts[1].split(",") if r.strip()}
     timeout = None
@@ -40,7 +47,18 @@ def parse(raw: str) -> tuple[float, set[int], float | None]:
         key, _, value = extra.partition("=")
         if key == "timeout":
             timeout = float(value)
+        elif key == "trigger":
+            _trigger = Path(value)
     return delay, rooms, timeout
+
+
+def _wait(delay: float) -> None:
+    """Sleep ``delay``, or less when the trigger file appears first."""
+    deadline = time.time() + delay
+    while time.time() < deadline:
+        if _trigger is not None and _trigger.exists():
+            return
+        time.sleep(0.02)
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -70,14 +88,15 @@ def _patch_queue(module: ModuleType) -> None:
 
 def _late(original: Any, delay: float, room: int, args: tuple[Any, ...], mode: str) -> int:
     started = time.time()
-    time.sleep(delay)
+    _wait(delay)
     status = original(*args)
     _emit(
         {
             "event": "late_write",
             "mode": mode,
             "room": room,
-            "delayed_s": delay,
+            "delayed_s": round(time.time() - started, 3),
+            "triggered": _trigger is not None and _trigger.exists(),
             "started": started,
             "t": time.time(),
             "status": int(status),
