@@ -57,6 +57,7 @@ def _item_pin(item: pytest.Item) -> str | None:
     return pin if isinstance(pin, str) else None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the groups into node-id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """One xdist group per (module, pin): a module's pairs for a pin are started by one worker only."""
     for item in items:
