@@ -58,9 +58,11 @@ class AbortBoard:
         self._lock = threading.Lock()
 
     def post(self, abort: PeerAbort) -> None:
+        """The first word on a room stands (the door's "never sent" is not overwritten by a later retirement)."""
         with self._lock:
+            if abort.room in self._entries:
+                return
             self._entries[abort.room] = (time.monotonic(), abort)
-            self._entries.move_to_end(abort.room)
             while len(self._entries) > self._capacity:
                 self._entries.popitem(last=False)
 

@@ -22,6 +22,7 @@ from sglang_harden.compat.shared import (
     capacity_gate,
     door,
     peer_status_abort,
+    publish_retired_abort,
     retire_final_send,
     role_of,
     tokenization_refusal,
@@ -197,6 +198,17 @@ def _verify_in_process(role: str, backend: str) -> None:
 
 # ---------------------------------------------------------------- the table
 
+# Pins whose prefill retires an aborted result itself (skipping the final send, never telling decode).
+RETIRES_ABORTED_RESULT = ("0.5.20", "0.5.21", "0.5.23")
+
+
+def _retired_result_hooks() -> list[Hook]:
+    if RUNTIME.pin not in RETIRES_ABORTED_RESULT:
+        return []
+    return [Hook("abort_notify", PREFILL, "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
+                 ("self", "req"), publish_retired_abort(READER))]
+
+
 
 HOOKS: list[Hook] = [
     Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"),
@@ -212,6 +224,7 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
          watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),
+    *_retired_result_hooks(),
     Hook("abort_notify", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
          validation_refusal),
     Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),

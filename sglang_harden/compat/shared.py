@@ -17,7 +17,11 @@ from sglang_harden.compat import notify
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode
 from sglang_harden.guards import admission, capacity, retire
-from sglang_harden.guards.abort_notify import decide_on_front_door_refusal, decide_on_peer_abort
+from sglang_harden.guards.abort_notify import (
+    decide_on_front_door_refusal,
+    decide_on_peer_abort,
+    decide_on_prefill_abort,
+)
 from sglang_harden.guards.admission import AdmissionView, PendingRejection
 from sglang_harden.guards.base import Decision, Verdict
 
@@ -105,6 +109,27 @@ def retire_final_send(reader: RequestReader) -> Callable[[Func], Func]:
             return original(self, req, last_chunk, end_idx)
 
         return send_kv_chunk
+
+    return make
+
+
+def publish_retired_abort(reader: RequestReader) -> Callable[[Func], Func]:
+    """``_retire_aborted_prefill_result(req) -> bool`` (0.5.20+): upstream retires an aborted prefill result
+    itself (no final send) but never tells decode; once it did, publish the abort for decode."""
+
+    def make(original: Func) -> Func:
+        def retire_result(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+            retired = original(self, req, *args, **kwargs)
+            if retired:
+                pending = reader.pending_rejection(req)
+                message = pending.message if pending else "aborted"
+                decision = decide_on_prefill_abort(str(req.rid), room_of(req), message,
+                                                   pending.status_code if pending else None)
+                if events.record(decision, RUNTIME.config.abort_notify, role="prefill"):
+                    publish_peer_abort(room_of(req), decision, sent_kv=True)
+            return retired
+
+        return retire_result
 
     return make
 

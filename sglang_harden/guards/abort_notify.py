@@ -41,6 +41,16 @@ def decide_on_peer_abort(rid: str, transfer_may_be_in_flight: bool, writer_drain
     return Decision(GUARD, Verdict.ABORT, reason, 500, {"rid": rid, "pages": pages})
 
 
+def decide_on_prefill_abort(rid: str, room: int | None, message: str, status_code: int | None) -> Decision:
+    """Prefill ended a bootstrapped request with an abort (its own retirement path, a client abort): ABORT
+    on decode too, with prefill's message. A KV chunk may already have gone out, so decode quarantines."""
+    if room is None:
+        return Decision(GUARD, Verdict.SKIP, "no bootstrap room: not a PD request", None, {"rid": rid})
+    reason = f"prefill aborted request {rid}: {message}"
+    return Decision(GUARD, Verdict.ABORT, reason, status_code or 500, {"rid": rid, "room": room,
+                                                                       "pages": PAGES_QUARANTINE})
+
+
 def decide_on_front_door_refusal(rid: str, room: int | None, message: str) -> Decision:
     """Prefill's front door (tokenization, validation) refused a request before its scheduler saw it.
 

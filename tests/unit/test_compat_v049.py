@@ -124,6 +124,23 @@ def test_retire_skips_final_send_of_aborted_request_and_fails_its_sender(publish
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize(("retired", "published"), [(True, 1), (False, 0)])
+def test_upstream_retirement_of_an_aborted_result_is_published(
+    publisher: Publisher, retired: bool, published: int
+) -> None:
+    """0.5.20+ retires an aborted prefill result itself; once it did (True), decode is told, with the message."""
+    from sglang_harden.compat import shared
+
+    wrapped = shared.publish_retired_abort(v049.READER)(_recording([], result=retired))
+    req = Req("r", [1] * 10, finished_reason=FINISH_ABORT("client went away", 499))
+    assert wrapped(object(), req) is retired
+    assert len(publisher.aborts) == published
+    if published:
+        abort = publisher.aborts[0]
+        assert (abort.room, abort.status_code, abort.sent_kv) == (7, 499, True)
+        assert "client went away" in abort.message
+
+
 class Buffers:
     def __init__(self) -> None:
         self.output_ids = [[0] * 16 for _ in range(4)]

@@ -23,6 +23,13 @@ def test_board_bounded_by_count_and_age() -> None:
     assert board.lookup([2, 3]) == []
 
 
+def test_first_word_on_a_room_stands() -> None:
+    board = notify.AbortBoard()
+    board.post(notify.PeerAbort(9, 400, "refused at the door", sent_kv=False))
+    board.post(notify.PeerAbort(9, 500, "retired later"))
+    assert board.lookup([9]) == [notify.PeerAbort(9, 400, "refused at the door", sent_kv=False)]
+
+
 @pytest.mark.parametrize(
     "body",
     [b"not json", b"[]", b'{"room": "1", "status_code": 400, "message": "x"}',
