@@ -64,14 +64,3 @@ def test_launcher_arms_scheduler_subprocess(pin: str, require_pin: Any, tmp_path
         assert armed, server.log_tail()
         assert all(a[0] == pin and a[2] != server.pid for a in armed), armed
         assert _report(server).get("pin") == pin, _report(server)
-
-
-@pytest.mark.parametrize("pin", PINS)
-def test_vanilla_server_is_not_armed(pin: str, require_pin: Any, tmp_path: Any) -> None:
-    """The control: the same install with SGLANG_HARDEN_ACTIVATE=0 runs unguarded (what the vanilla tests use)."""
-    require_pin(pin)
-    server = Server(pin, "mixed", max_total_tokens=2048, launcher_module=VANILLA_LAUNCHER, log_dir=tmp_path,
-                    startup_timeout=900.0)
-    with server:
-        assert _armed_schedulers(server) == []
-        assert _report(server) == {}

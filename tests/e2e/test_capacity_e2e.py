@@ -43,8 +43,12 @@ def _advertised_context(server: Server) -> int:
 
 
 def test_vanilla_advertises_a_context_its_pool_cannot_hold(pin: str, tmp_path: Any) -> None:
+    """Also the activation control: the same install with SGLANG_HARDEN_ACTIVATE=0 runs unguarded."""
     with _server(pin, hardened=False, tmp_path=tmp_path) as server:
         assert _advertised_context(server) == CONTEXT
+        assert "sglang-harden active" not in server.log_text()
+        states = server.server_info().get("internal_states") or [{}]
+        assert "sglang_harden" not in states[0], states[0].keys()
 
 
 def test_hardened_refuses_to_start(pin: str, tmp_path: Any) -> None:
