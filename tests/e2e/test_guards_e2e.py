@@ -243,8 +243,10 @@ def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: s
 
 
 def _retire_count(server: Server) -> int:
+    """Retirements prefill's scheduler decided: our retire guard (<= 0.5.19), or upstream's own retirement
+    that the abort_notify hook published to decode (0.5.20+)."""
     decisions = _harden_state(server).get("decisions", {})
-    return int(decisions.get("retire:abort", 0)) + int(decisions.get("retire:reject", 0))
+    return sum(int(decisions.get(key, 0)) for key in ("retire:abort", "retire:reject", "abort_notify:abort"))
 
 
 def test_normal_requests_unchanged(pairs: PairFactory, pin: str) -> None:
