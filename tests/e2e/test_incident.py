@@ -96,12 +96,13 @@ def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -
 @pytest.mark.parametrize("pin", list(RECIPES))
 def test_front_door_refusal_leaves_decode_holding(incident: Any, pin: str) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context; decode, holding a reservation for the
-    request, hears nothing and waits out its timeout (every vanilla pin). Hardened: test_guards_e2e."""
+    request, hears nothing and waits out its timeout (every vanilla pin; 0.4.9.post6 then even answers 200,
+    generating over pages nobody wrote). Hardened: test_guards_e2e."""
     door = incident(pin)["front_door"]
     assert door["prefill"]["status"] == 400 and "context length" in (door["prefill_error"] or ""), door
-    assert door["decode_status"] != 200, door
     assert door["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, door
-    assert not door["decode_generated"], door
+    if pin != "0.4.9.post6":
+        assert door["decode_status"] != 200 and not door["decode_generated"], door
 
 
 @pytest.mark.parametrize("pin", list(RECIPES))
