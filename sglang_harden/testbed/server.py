@@ -106,6 +106,19 @@ class _Process:
     def pick_ports(self) -> None:
         raise NotImplementedError
 
+    def own_ports(self) -> list[int]:
+        return []
+
+    def _lost_a_port(self, log: str) -> bool:
+        """A log line says one of the ports picked for this process could not be bound (others' retries of
+        their own ports, e.g. a transport probing for a free one, do not count)."""
+        ports = [str(p) for p in self.own_ports()]
+        return any(
+            BIND_FAILURE in line.lower() and any(port in line for port in ports)
+            for line in log.splitlines()
+            if BIND_FAILURE in line.lower()
+        )
+
     def reset(self) -> None:
         """Forget a stopped process so that the server can be started again on fresh ports."""
         if self.is_alive():
@@ -169,6 +182,9 @@ class Server(_Process):
         self.nccl_port = procs.free_port()
         fixed = self._fixed_bootstrap_port
         self.bootstrap_port = fixed or (procs.free_port() if self.role == "prefill" else None)
+
+    def own_ports(self) -> list[int]:
+        return [p for p in (self.port, self.nccl_port, self.bootstrap_port) if p]
 
     @property
     def url(self) -> str:
@@ -239,7 +255,7 @@ class Server(_Process):
 
     def _wait_log_line(self, deadline: float) -> None:
         while READY_LINE not in (text := self.log_text()):
-            if BIND_FAILURE in text.lower():
+            if self._lost_a_port(text):
                 raise PortTaken(str(self._fail("a port picked for it was taken while it booted")))
             if not self.is_alive():
                 raise self._fail(f"exited with code {self.proc.returncode} before it was ready")

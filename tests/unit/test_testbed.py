@@ -263,3 +263,17 @@ def test_demo_hardened_verdict_needs_every_condition(changes: dict[str, object],
     report = {"pins": {"0.5.19": {"hardened": _hardened_column(**changes)}}}
     assert demo.hardened_blocked(report) is blocked
     assert demo.render_table(report)
+
+
+def test_bind_failure_counts_only_for_our_own_ports() -> None:
+    from sglang_harden.testbed.server import _Process
+
+    class Proc(_Process):
+        def own_ports(self) -> list[int]:
+            return [45591, 23456]
+
+    proc = Proc()
+    uvicorn = "ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', 45591): address already in use"
+    assert proc._lost_a_port("starting\n" + uvicorn)
+    assert not proc._lost_a_port("transport: bind 15437 failed: Address already in use; trying the next port")
+    assert not proc._lost_a_port("fired up and ready to roll")
