@@ -19,11 +19,13 @@ from sglang_harden import events
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
+    TOKENIZER,
     RequestReader,
     bootstrap_base_url,
     bootstrap_routes,
     capacity_gate,
     door,
+    in_scheduler,
     peer_status_abort,
     retire_final_send,
     role_of,
@@ -45,7 +47,6 @@ DECODE = "sglang.srt.disaggregation.decode"
 UTILS = "sglang.srt.disaggregation.utils"
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 SCHEDULER = "sglang.srt.managers.scheduler"
-TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 COVERAGE_SLOT = 15  # output_ids[idx][15]: this pin writes only output_ids[idx][0]; 1..15 are RDMA padding
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's warm-up pairs decode with an in-process fake transfer (no KV)
 ABORT_NOTIFY_BACKENDS = ("mooncake",)
@@ -206,8 +207,3 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
 }
 
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit}
-
-
-def in_scheduler(hook: Hook) -> bool:
-    """Tokenizer-manager hooks live in the main process (a missing target fails its import there, closed)."""
-    return hook.module != TOKENIZER

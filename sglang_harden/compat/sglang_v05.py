@@ -16,11 +16,13 @@ from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
+    TOKENIZER,
     RequestReader,
     bootstrap_base_url,
     bootstrap_routes,
     capacity_gate,
     door,
+    in_scheduler,
     peer_status_abort,
     publish_retired_abort,
     retire_final_send,
@@ -41,7 +43,6 @@ DECODE = "sglang.srt.disaggregation.decode"
 UTILS = "sglang.srt.disaggregation.utils"
 CONN = "sglang.srt.disaggregation.common.conn"
 SCHEDULER = "sglang.srt.managers.scheduler"
-TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 COVERAGE_SLOT = 15  # cached_tokens[idx][15]: spare in this family (slots 0-6 are used upstream)
 
 Func = Callable[..., Any]
@@ -245,8 +246,3 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
 }
 
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit}
-
-
-def in_scheduler(hook: Hook) -> bool:
-    """Tokenizer-manager hooks live in the main process (a missing target fails its import there, closed)."""
-    return hook.module != TOKENIZER

@@ -28,6 +28,12 @@ from sglang_harden.guards.base import Decision, Verdict
 logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
+TOKENIZER = "sglang.srt.managers.tokenizer_manager"
+
+
+def in_scheduler(hook: Any) -> bool:
+    """Tokenizer-manager hooks live in the main process (a missing target fails its import there, closed)."""
+    return hook.module != TOKENIZER
 
 
 def largest_accepted_prompt(scheduler: Any) -> int | None:

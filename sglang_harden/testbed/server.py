@@ -8,6 +8,7 @@ on a failed start, on garbage collection and at interpreter exit (see ``procs``)
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import threading
@@ -112,12 +113,11 @@ class _Process:
     def _lost_a_port(self, log: str) -> bool:
         """A log line says one of the ports picked for this process could not be bound (others' retries of
         their own ports, e.g. a transport probing for a free one, do not count)."""
-        ports = [str(p) for p in self.own_ports()]
-        return any(
-            BIND_FAILURE in line.lower() and any(port in line for port in ports)
-            for line in log.splitlines()
-            if BIND_FAILURE in line.lower()
-        )
+        ports = self.own_ports()
+        if not ports:
+            return False
+        own_port = re.compile(r"\b(" + "|".join(map(str, ports)) + r")\b")
+        return any(BIND_FAILURE in line.lower() and own_port.search(line) for line in log.splitlines())
 
     def reset(self) -> None:
         """Forget a stopped process so that the server can be started again on fresh ports."""
