@@ -52,6 +52,16 @@ class Receiver:
         self.kv_mgr = SimpleNamespace(record_failure=lambda *a: None)
 
 
+def _newer_buffer_args() -> dict[str, Any]:
+    """0.5.23's ``MetadataBuffers`` also takes ``max_sampling_mask_tokens`` (0: no sampling-mask rows)."""
+    import inspect
+
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    params = inspect.signature(MetadataBuffers.__init__).parameters
+    return {"max_sampling_mask_tokens": 0} if "max_sampling_mask_tokens" in params else {}
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         from sglang.srt.disaggregation.utils import MetadataBuffers
@@ -64,7 +74,7 @@ class Bench:
         self.k = [torch.zeros((size + 1, heads, dim), dtype=torch.bfloat16) for _ in range(layers)]
         self.v = [torch.zeros((size + 1, heads, dim), dtype=torch.bfloat16) for _ in range(layers)]
         self.src = torch.randn((args.tokens, heads, dim)).to(torch.bfloat16)
-        self.meta = MetadataBuffers(8, hidden_size=64, hidden_states_dtype=torch.float32)
+        self.meta = MetadataBuffers(8, hidden_size=64, hidden_states_dtype=torch.float32, **_newer_buffer_args())
         self.table = torch.zeros((4, size + 1), dtype=torch.int32)
         self.room = 1
         self.free_fn: Callable[..., Any] = TokenToKVPoolAllocator.free

@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # they skip, saying so).
 for pin in $(python3 -c 'from sglang_harden.testbed.envs import ci_pins; print(" ".join(ci_pins()))'); do
   python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
-    tests/integration/test_lifecycle_inprocess.py
+    tests/integration/test_lifecycle_inprocess.py tests/integration/test_digest_inprocess.py
 done
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \

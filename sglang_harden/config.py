@@ -37,6 +37,7 @@ GUARDS: tuple[str, ...] = (
     "abort_notify",
     "lifecycle",
     "checksum",
+    "canary",
     "page_tags",
     "bootstrap_auth",
 )
@@ -54,6 +55,7 @@ class HardenConfig:
     abort_notify: Mode = Mode.ENFORCE
     lifecycle: Mode = Mode.ENFORCE
     checksum: Mode = Mode.ENFORCE
+    canary: Mode = Mode.ENFORCE
     page_tags: Mode = Mode.ENFORCE
     bootstrap_auth: Mode = Mode.ENFORCE
     capacity: CapacityMode = CapacityMode.ENFORCE

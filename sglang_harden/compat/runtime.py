@@ -1,4 +1,4 @@
-"""Per-process state of an activated sglang-harden: configuration, pin, and the abort side channel."""
+"""Per-process state of an activated sglang-harden: configuration, pin, and the abort and digest side channels."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from sglang_harden.compat import notify
+from sglang_harden.compat import digest_channel, notify
 from sglang_harden.config import HardenConfig, load_config
 
 logger = logging.getLogger("sglang_harden")
@@ -26,7 +27,10 @@ class Runtime:
     source: str = ""
     armed: tuple[str, ...] = ()
     publisher: notify.Publisher | None = None
+    digest_publisher: digest_channel.DigestPublisher | None = None
     watcher: notify.DecodeWatcher | None = None
+    # Decode's KV pool (set at its scheduler's start-up), where the canary stamps pages.
+    decode_kv_pool: Any = None
     # Set by the lifecycle adapter on decode: prefill said it never queued a write for (room, bootstrap addr).
     writer_never_started: Callable[[int, str], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -39,6 +43,8 @@ class Runtime:
         with self._lock:
             if self.publisher is None:
                 self.publisher = notify.Publisher(base_url)
+            if self.digest_publisher is None and self.config.checksum.value != "off":
+                self.digest_publisher = digest_channel.DigestPublisher(base_url)
 
     def decode_watcher(self, on_abort: Callable[[object, notify.PeerAbort], None]) -> notify.DecodeWatcher | None:
         if self.config.abort_notify.value == "off":

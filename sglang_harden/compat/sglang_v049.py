@@ -27,6 +27,7 @@ from sglang_harden.compat.shared import (
     door,
     in_scheduler,
     peer_status_abort,
+    report_state,
     retire_final_send,
     role_of,
     tokenization_refusal,
@@ -195,6 +196,7 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),
          tokenization_refusal),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
+    Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), report_state()),
 ]
 
 # Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).

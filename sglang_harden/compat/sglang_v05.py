@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import lifecycle_v05
+from sglang_harden.compat import kv_canary, kv_digest, lifecycle_v05
 from sglang_harden.compat.hooks import Hook, missing
+from sglang_harden.compat.lifecycle_v05 import MOONCAKE, NIXL
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
@@ -25,6 +26,7 @@ from sglang_harden.compat.shared import (
     in_scheduler,
     peer_status_abort,
     publish_retired_abort,
+    report_state,
     retire_final_send,
     role_of,
     tokenization_refusal,
@@ -34,6 +36,7 @@ from sglang_harden.compat.shared import (
 )
 from sglang_harden.guards import coverage
 from sglang_harden.guards.admission import PendingRejection
+from sglang_harden.guards.base import Decision
 
 logger = logging.getLogger("sglang_harden")
 
@@ -111,15 +114,20 @@ def _check_coverage(original: Func) -> Func:
         sent = coverage.decode_coverage(raw, room)
         decision = coverage.decide_commit(str(req.rid), len(req.origin_input_ids), sent)
         if events.record(decision, RUNTIME.config.coverage, room=room):
-            from sglang.srt.disaggregation.utils import prepare_abort
-
-            prepare_abort(req, decision.reason, status_code=decision.status_code)
-            decode_req.kv_receiver.clear()
-            decode_req.kv_receiver = None
+            _abort_transferred(self, decode_req, decision)
             return None
         return original(self, decode_req)
 
     return commit
+
+
+def _abort_transferred(_queue: Any, decode_req: Any, decision: Decision) -> None:
+    """Decode gives up a finished transfer before commit: SGLang's abort, the receiver cleared and dropped."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    prepare_abort(decode_req.req, decision.reason, status_code=decision.status_code)
+    decode_req.kv_receiver.clear()
+    decode_req.kv_receiver = None
 
 
 def _is_fake_transfer(req: Any) -> bool:
@@ -127,6 +135,27 @@ def _is_fake_transfer(req: Any) -> bool:
     from sglang.srt.disaggregation.utils import _is_fake_transfer as is_fake
 
     return bool(is_fake(req))
+
+
+# ---------------------------------------------------------------- checksum
+
+
+def _sent_range(_scheduler: Any, req: Any, end_idx: Any) -> tuple[int, int]:
+    """Tokens whose KV prefill sends for ``req`` in all: from decode's cached prefix to the last chunk's end
+    (0.5.23 names the forward's end ``extend_end``, earlier pins ``extend_range.end``)."""
+    if end_idx is None:
+        extend_end = getattr(req, "extend_end", None)
+        end_idx = extend_end if extend_end is not None else req.extend_range.end
+        end_idx = min(int(end_idx), len(req.origin_input_ids))
+    return int(getattr(req, "disagg_decode_prefix_len", 0) or 0), int(end_idx)
+
+
+DIGEST_READER = kv_digest.DigestReader(
+    pool_row=lambda req: int(req.kv.req_pool_idx),
+    sent_range=_sent_range,
+    is_fake_transfer=_is_fake_transfer,
+    abort_transferred=_abort_transferred,
+)
 
 
 # ---------------------------------------------------------------- abort notification
@@ -143,41 +172,16 @@ def _scheduler_started(original: Func) -> Func:
         capacity_gate(self)
         if role == "prefill":
             RUNTIME.start_publisher(bootstrap_base_url(self))
+        if role == "decode":
+            RUNTIME.decode_kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         RUNTIME.log_active(role=f"scheduler/{role}")
         return result
 
     return init
 
 
-def _report_state(original: Func) -> Func:
-    """``/server_info`` gains ``internal_states[i].sglang_harden``: pool occupancy, armed guards, decisions."""
-
-    def get_internal_state(self: Any, recv_req: Any) -> Any:
-        output = original(self, recv_req)
-        state = getattr(output, "internal_state", None)
-        if isinstance(state, dict):
-            state["sglang_harden"] = pool_report(self)
-        return output
-
-    return get_internal_state
-
-
-def pool_report(scheduler: Any) -> dict[str, Any]:
-    allocator = scheduler.token_to_kv_pool_allocator
-    evictable = scheduler.tree_cache.evictable_size() if scheduler.tree_cache is not None else 0
-    return {
-        "pin": RUNTIME.pin,
-        "family": RUNTIME.family,
-        "role": role_of(scheduler),
-        "guards": list(RUNTIME.armed),
-        "max_total_num_tokens": int(scheduler.max_total_num_tokens),
-        "available_tokens": int(allocator.available_size()),
-        "evictable_tokens": int(evictable),
-        "max_req_input_len": int(scheduler.max_req_input_len),
-        "context_len": int(scheduler.model_config.context_len),
-        "decisions": events.snapshot(),
-        "lifecycle": lifecycle_v05.node_report(),
-    }
+def _lifecycle_report() -> dict[str, Any]:
+    return {"lifecycle": lifecycle_v05.node_report()}
 
 
 def _needed_here(hook: Hook, role: str, backend: str) -> bool:
@@ -216,6 +220,16 @@ HOOKS: list[Hook] = [
          _door("prefill")),
     Hook("admission", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"),
          _door("decode")),
+    # Listed before retire and coverage, so their wrappers sit outside: a retired request is never digested,
+    # and at decode's commit the cheap checks speak first (page tags, coverage, canary, then the digest).
+    Hook("checksum", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+         ("self", "req", "last_chunk", "end_idx"), kv_digest.publish_sent_digest(DIGEST_READER)),
+    Hook("checksum", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
+         kv_digest.verify_before_commit(DIGEST_READER)),
+    Hook("canary", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), kv_canary.stamp_before_send),
+    Hook("canary", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), kv_canary.stamp_before_send),
+    Hook("canary", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
+         kv_canary.check_before_commit(_is_fake_transfer, _abort_transferred, kv_digest.agree_on_group)),
     Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
@@ -231,7 +245,8 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),
          tokenization_refusal),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
-    Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), _report_state),
+    Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"),
+         report_state(_lifecycle_report)),
     *lifecycle_v05.HOOKS,
 ]
 
@@ -240,6 +255,8 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
     "admission": {"prefill", "decode"},
     "retire": {"prefill"},
     "coverage": {"prefill", "decode"},
+    "checksum": {"prefill", "decode"},
+    "canary": {"decode"},
     "abort_notify": {"decode"},
     "startup": {"prefill", "decode", "null"},
     **lifecycle_v05.ROLES,

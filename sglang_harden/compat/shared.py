@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import notify
+from sglang_harden.compat import digest_channel, notify
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
-from sglang_harden.config import CapacityMode
+from sglang_harden.config import CapacityMode, Mode
 from sglang_harden.guards import admission, capacity, retire
 from sglang_harden.guards.abort_notify import (
     decide_on_front_door_refusal,
@@ -150,6 +150,8 @@ def bootstrap_routes(original: Func) -> Func:
         result = original(self)
         self.app.router.add_put(notify.ABORT_PATH, handle_abort_put)
         self.app.router.add_get(notify.ABORTS_PATH, handle_aborts_get)
+        self.app.router.add_put(digest_channel.DIGEST_PATH, handle_digest_put)
+        self.app.router.add_get(digest_channel.DIGESTS_PATH, handle_digests_get)
         return result
 
     return setup_routes
@@ -159,8 +161,7 @@ async def handle_abort_put(request: Any) -> Any:
     """Only the prefill node's own processes post aborts (same host); anyone else gets 403."""
     from aiohttp import web
 
-    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
-    if not notify.is_same_host(request.remote, sockname[0] if sockname else None):
+    if not _from_this_host(request):
         return web.json_response({"error": "aborts are accepted from this host only"}, status=403)
     try:
         abort = notify.parse_abort_body(await request.content.read(64 * 1024))
@@ -168,6 +169,36 @@ async def handle_abort_put(request: Any) -> Any:
         return web.json_response({"error": str(exc)}, status=400)
     notify.BOARD.post(abort)
     return web.json_response({"ok": True})
+
+
+def _from_this_host(request: Any) -> bool:
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return notify.is_same_host(request.remote, sockname[0] if sockname else None)
+
+
+async def handle_digest_put(request: Any) -> Any:
+    """Only the prefill node's own schedulers post digests (same host); anyone else gets 403."""
+    from aiohttp import web
+
+    if not _from_this_host(request):
+        return web.json_response({"error": "digests are accepted from this host only"}, status=403)
+    try:
+        shard = digest_channel.parse_digest_body(await request.content.read(256 * 1024))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    digest_channel.BOARD.post(shard)
+    return web.json_response({"ok": True})
+
+
+async def handle_digests_get(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        room = int(request.query.get("room", ""))
+    except ValueError:
+        return web.json_response({"error": "room must be an integer"}, status=400)
+    publishing = RUNTIME.config.checksum is not Mode.OFF
+    return web.json_response(digest_channel.digests_payload(room, publishing))
 
 
 async def handle_aborts_get(request: Any) -> Any:
@@ -302,3 +333,37 @@ def tokenizer_learns_limit(module: Any) -> None:
             self.context_len = fitting
 
     cls.max_req_input_len = property(get, set_)
+
+
+def report_state(extra: Callable[[], dict[str, Any]] = dict) -> Callable[[Func], Func]:
+    """``Scheduler.get_internal_state``: ``/server_info`` gains ``internal_states[i].sglang_harden`` (pin, armed
+    guards, pool occupancy, decision counts, and what the family adds)."""
+
+    def make(original: Func) -> Func:
+        def get_internal_state(self: Any, recv_req: Any) -> Any:
+            output = original(self, recv_req)
+            state = getattr(output, "internal_state", None)
+            if isinstance(state, dict):
+                state["sglang_harden"] = {**pool_report(self), **extra()}
+            return output
+
+        return get_internal_state
+
+    return make
+
+
+def pool_report(scheduler: Any) -> dict[str, Any]:
+    allocator = scheduler.token_to_kv_pool_allocator
+    evictable = scheduler.tree_cache.evictable_size() if scheduler.tree_cache is not None else 0
+    return {
+        "pin": RUNTIME.pin,
+        "family": RUNTIME.family,
+        "role": role_of(scheduler),
+        "guards": list(RUNTIME.armed),
+        "max_total_num_tokens": int(scheduler.max_total_num_tokens),
+        "available_tokens": int(allocator.available_size()),
+        "evictable_tokens": int(evictable),
+        "max_req_input_len": int(scheduler.max_req_input_len),
+        "context_len": int(scheduler.model_config.context_len),
+        "decisions": events.snapshot(),
+    }

@@ -30,6 +30,8 @@ MODELLED_GUARDS = ("admission", "retire", "coverage", "abort_notify", "lifecycle
 UNMODELLED_GUARDS = {
     "checksum": "digests catch bytes corrupted inside a transfer; the model's transfer engine copies pages "
     "exactly and has no corruption event",
+    "canary": "finds reserved pages a transfer never wrote by their bytes; the model tracks written pages "
+    "exactly, so coverage and page_tags already stand for it there",
     "bootstrap_auth": "authenticates who may register a bootstrap route; the model has no adversary on the "
     "bootstrap channel",
 }

@@ -77,7 +77,7 @@ PROTECTIONS: tuple[Protection, ...] = (
     Protection("coverage_check", "transferred-length check on decode commit", "coverage"),
     Protection("kv_checksum", "per-transfer KV checksum", "checksum"),
     Protection("deferred_release", "deferred decode KV release", "lifecycle"),
-    Protection("kv_canary", "kv canary", "page_tags"),
+    Protection("kv_canary", "kv canary", "canary"),
     Protection("abort_ack", "abort acknowledgement", "lifecycle"),
     Protection("transfer_batch_bound", "bounded Mooncake transfer batch", "lifecycle"),
     Protection("decode_abort_notify", "decode told of prefill aborts", "abort_notify"),

@@ -270,6 +270,10 @@ def _main() -> None:
         import sglang_harden_abortsend
 
         sglang_harden_abortsend.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_KV_FAULT"):
+        import sglang_harden_kvfault
+
+        sglang_harden_kvfault.install()
     if os.environ.get("SGLANG_HARDEN_TESTBED_MISOWN_ROOM"):
         import sglang_harden_misown
 

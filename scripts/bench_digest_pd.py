@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Per-request cost of the KV digest on the real CPU PD pair: vanilla, hardened without and with the digest.
+
+Starts three pairs of one pin (tiny model, Mooncake TCP on loopback) side by side:
+
+* ``vanilla``   - ``sglang.launch_server``;
+* ``no_digest`` - ``sglang_harden.launch_server`` with ``--harden-checksum off`` (every other guard on);
+* ``hardened``  - ``sglang_harden.launch_server`` with every guard on, the digest included.
+
+and sends the same greedy requests to each, interleaved request by request (so drift on this shared machine
+hits all three alike), discarding warm-up rounds. Reports per-request end-to-end latency medians and minima
+and the ratios ``hardened / vanilla`` and ``hardened / no_digest`` (the digest alone). Goal (issue 7): the
+per-request overhead of the digest <= 1.02x.
+
+    python3 scripts/bench_digest_pd.py --pin 0.5.19 --json
+
+Run it on a quiet machine: with other servers running, the medians carry their noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_harden.testbed.client import greedy_body  # noqa: E402
+from sglang_harden.testbed.incident import tenant_a_prompt  # noqa: E402
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair  # noqa: E402
+
+VARIANTS = {
+    "vanilla": (VANILLA_LAUNCHER, {}),
+    "no_digest": (HARDENED_LAUNCHER, {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CHECKSUM": "off"}),
+    "hardened": (HARDENED_LAUNCHER, {"SGLANG_HARDEN_ACTIVATE": "1"}),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pin", default="0.5.19")
+    p.add_argument("--backend", default="mooncake", choices=["mooncake", "nixl"])
+    p.add_argument("--prompt-tokens", type=int, default=400)
+    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--requests", type=int, default=30, help="measured requests per variant")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def start(pin: str, backend: str, variant: str, log_root: Path) -> PDPair:
+    launcher, env = VARIANTS[variant]
+    pair = PDPair(
+        pin,
+        prefill_max_total_tokens=2048,
+        decode_max_total_tokens=2048,
+        context_length=1024,
+        transfer_backend=backend,
+        env=env,
+        launcher_module=launcher,
+        log_dir=log_root / variant,
+    )
+    return pair.start()
+
+
+def measure(pairs: dict[str, PDPair], args: argparse.Namespace) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in pairs}
+    for i in range(args.warmup + args.requests):
+        body = greedy_body(tenant_a_prompt(1000 + i, args.prompt_tokens), args.new_tokens, rid=None)
+        for name, pair in pairs.items():
+            result = pair.generate(body, timeout=120)
+            if not (result.prefill.ok and result.decode.ok):
+                raise RuntimeError(f"{name}: request {i} failed: {result.decode.summary()}")
+            if i >= args.warmup:
+                times[name].append(result.decode.elapsed_s)
+    return times
+
+
+def report(times: dict[str, list[float]], args: argparse.Namespace) -> dict[str, object]:
+    med = {name: statistics.median(t) for name, t in times.items()}
+    low = {name: min(t) for name, t in times.items()}
+    return {
+        "pin": args.pin,
+        "backend": args.backend,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "requests": args.requests,
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "min_s": {k: round(v, 4) for k, v in low.items()},
+        "ratio_median": {
+            "hardened/vanilla": round(med["hardened"] / med["vanilla"], 4),
+            "hardened/no_digest": round(med["hardened"] / med["no_digest"], 4),
+        },
+        "ratio_min": {
+            "hardened/vanilla": round(low["hardened"] / low["vanilla"], 4),
+            "hardened/no_digest": round(low["hardened"] / low["no_digest"], 4),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log_root = Path(tempfile.mkdtemp(prefix="sglang-harden-bench-digest-"))
+    pairs: dict[str, PDPair] = {}
+    try:
+        for variant in VARIANTS:
+            print(f"[bench-digest-pd] starting {variant} pair (logs {log_root / variant})", file=sys.stderr)
+            pairs[variant] = start(args.pin, args.backend, variant, log_root)
+        result = report(measure(pairs, args), args)
+    finally:
+        for pair in pairs.values():
+            pair.stop()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

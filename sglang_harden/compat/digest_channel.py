@@ -1,0 +1,165 @@
+"""The digest side channel: prefill publishes each request's per-rank KV digests where decode can read them.
+
+The checksum guard needs, at decode's commit, the digests prefill computed over what it sent. They travel
+through prefill's bootstrap server (the one decode already talks to), next to the abort routes:
+
+- ``PUT /sglang_harden/digest``             a prefill rank posts ``{room, rank, values}`` (packed shard)
+- ``GET /sglang_harden/digests?room=R``     decode reads every rank's shard for the room, and whether this
+                                            prefill publishes digests at all (``publishing``)
+
+Prefill posts from a background thread before the final KV send is issued; decode waits a bounded time at its
+commit for a digest that is not there yet. This module knows no SGLang names.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger("sglang_harden")
+
+DIGEST_PATH = "/sglang_harden/digest"
+DIGESTS_PATH = "/sglang_harden/digests"
+BOARD_CAPACITY = 16384
+BOARD_TTL_S = 900.0
+HTTP_TIMEOUT_S = 2.0
+MAX_VALUES = 4096
+MAX_RANKS = 1024
+WAIT_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class PublishedShard:
+    room: int
+    rank: int
+    values: tuple[int, ...]
+
+
+class DigestBoard:
+    """Per room, the packed shard digest of each prefill rank; bounded in count and time (oldest first)."""
+
+    def __init__(self, capacity: int = BOARD_CAPACITY, ttl_s: float = BOARD_TTL_S) -> None:
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self._rooms: OrderedDict[int, tuple[float, dict[int, tuple[int, ...]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def post(self, shard: PublishedShard) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stamp, ranks = self._rooms.pop(shard.room, (now, {}))
+            ranks[shard.rank] = shard.values
+            self._rooms[shard.room] = (stamp, ranks)
+            while len(self._rooms) > self._capacity:
+                self._rooms.popitem(last=False)
+
+    def lookup(self, room: int) -> dict[int, tuple[int, ...]]:
+        now = time.monotonic()
+        with self._lock:
+            while self._rooms:
+                oldest, (stamp, _) = next(iter(self._rooms.items()))
+                if now - stamp < self._ttl_s:
+                    break
+                del self._rooms[oldest]
+            entry = self._rooms.get(room)
+            return dict(entry[1]) if entry else {}
+
+
+BOARD = DigestBoard()
+
+
+def parse_digest_body(body: bytes) -> PublishedShard:
+    """Validate a PUT body; raise ValueError with a short reason on anything malformed."""
+    data = json.loads(body)
+    if not isinstance(data, dict):
+        raise ValueError("body must be a JSON object")
+    room, rank, values = data.get("room"), data.get("rank"), data.get("values")
+    if not isinstance(room, int) or not isinstance(rank, int) or not isinstance(values, list):
+        raise ValueError("need integer room, integer rank, list of integer values")
+    if not 0 <= rank < MAX_RANKS:
+        raise ValueError(f"rank must be in [0, {MAX_RANKS})")
+    if not 0 < len(values) <= MAX_VALUES or not all(isinstance(v, int) and -(2**63) <= v < 2**63 for v in values):
+        raise ValueError(f"values must be 1..{MAX_VALUES} signed 64-bit integers")
+    return PublishedShard(room, rank, tuple(values))
+
+
+def digests_payload(room: int, publishing: bool, board: DigestBoard | None = None) -> dict[str, object]:
+    shards = (board or BOARD).lookup(room)
+    return {"publishing": publishing, "shards": {str(rank): list(values) for rank, values in shards.items()}}
+
+
+class DigestPublisher:
+    """Posts shard digests to the local bootstrap server from a background thread (never blocks a scheduler)."""
+
+    def __init__(self, base_url: str) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._queue: queue.Queue[PublishedShard] = queue.Queue(maxsize=BOARD_CAPACITY)
+        threading.Thread(target=self._run, name="sglang-harden-digest-publisher", daemon=True).start()
+
+    def publish(self, shard: PublishedShard) -> None:
+        try:
+            self._queue.put_nowait(shard)
+        except queue.Full:
+            logger.error("sglang-harden: digest publisher queue full; room %s not published", shard.room)
+
+    def _run(self) -> None:
+        while True:
+            self._post(self._queue.get())
+
+    def _post(self, shard: PublishedShard) -> None:
+        body = json.dumps({"room": shard.room, "rank": shard.rank, "values": list(shard.values)}).encode()
+        for attempt in range(3):
+            try:
+                request = urllib.request.Request(
+                    self._base_url + DIGEST_PATH, data=body, method="PUT", headers={"Content-Type": "application/json"}
+                )
+                with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as exc:
+                logger.warning("sglang-harden: publishing the digest of room %s failed: %s", shard.room, exc)
+            time.sleep(0.1 * (attempt + 1))
+        logger.error("sglang-harden: gave up publishing the digest of room %s to %s", shard.room, self._base_url)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What decode learned about a room: the shards found, and why there are none when there are none."""
+
+    shards: dict[int, tuple[int, ...]]
+    reason: str = ""
+
+
+def fetch_digests(
+    addr: str, room: int, wait_s: float, enough: Callable[[dict[int, tuple[int, ...]]], bool]
+) -> Fetched:
+    """The room's shards from prefill's bootstrap server at ``addr``, waiting up to ``wait_s`` until they are
+    ``enough`` (cover the heads the caller holds); returns at once when that prefill does not publish digests."""
+    deadline = time.monotonic() + wait_s
+    url = f"http://{addr}{DIGESTS_PATH}?room={room}"
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+                data = json.loads(response.read(1 << 22))
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return Fetched({}, "prefill's bootstrap server has no digest route (prefill not hardened)")
+            return Fetched({}, f"digest query to {addr} failed: HTTP {exc.code}")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return Fetched({}, f"digest query to {addr} failed: {exc}")
+        if not data.get("publishing", False):
+            return Fetched({}, "prefill does not publish digests (its checksum guard is off)")
+        shards = {int(rank): tuple(int(v) for v in values) for rank, values in data.get("shards", {}).items()}
+        if enough(shards):
+            return Fetched(shards)
+        if time.monotonic() >= deadline:
+            return Fetched(shards, "" if shards else f"prefill published no digest for room {room} within {wait_s} s")
+        time.sleep(WAIT_POLL_S)

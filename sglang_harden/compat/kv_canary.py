@@ -1,0 +1,124 @@
+"""Canary hooks: decode stamps the pages it hands to the sender and, before commit, finds any still stamped.
+
+When decode tells prefill where to write a request's KV (the backend receiver's ``send_metadata``), it writes a
+fresh 64-bit marker into the first token row of each of those pages, in the first layer's K and the last
+layer's V (:func:`sglang_harden.guards.canary.stamp`), before the indices leave. A transfer writes whole pages,
+so every page it wrote has lost its marker; before commit (``_commit_transfer_to_req``) a page still carrying
+its marker was never written, and the request is aborted instead of attending over a previous owner's KV.
+
+The KV pool comes from decode's scheduler (recorded at its start-up); stamps are per room, at most once per
+room (re-stamping a page with a transfer in flight could erase a write), and bounded in number.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_harden import events
+from sglang_harden.compat.runtime import RUNTIME
+from sglang_harden.config import Mode
+from sglang_harden.guards import canary
+from sglang_harden.guards.base import Decision, Verdict
+
+logger = logging.getLogger("sglang_harden")
+
+Func = Callable[..., Any]
+MAX_ROOMS = 65536
+
+
+@dataclass(frozen=True)
+class Stamp:
+    marker: int
+    pages: tuple[int, ...]
+
+
+class Stamps:
+    """Rooms decode stamped, oldest dropped first beyond ``MAX_ROOMS``."""
+
+    def __init__(self) -> None:
+        self._rooms: OrderedDict[int, Stamp] = OrderedDict()
+
+    def add(self, room: int, stamp: Stamp) -> None:
+        self._rooms[room] = stamp
+        while len(self._rooms) > MAX_ROOMS:
+            self._rooms.popitem(last=False)
+
+    def has(self, room: int) -> bool:
+        return room in self._rooms
+
+    def pop(self, room: int) -> Stamp | None:
+        return self._rooms.pop(room, None)
+
+
+STAMPS = Stamps()
+
+
+def canary_buffers(pool: Any) -> list[Any]:
+    """First layer's K and last layer's V (MLA: first and last latent layer): a transfer cut short at either
+    end of the layer loop leaves one of them stamped."""
+    k_buffers = getattr(pool, "k_buffer", None)
+    if k_buffers:
+        return [k_buffers[0], pool.v_buffer[-1]]
+    latent = pool.kv_buffer
+    return [latent[0], latent[-1]] if len(latent) > 1 else [latent[0]]
+
+
+def stamp_before_send(original: Func) -> Func:
+    """``<backend>KVReceiver.send_metadata(kv_indices, …)``: stamp the destination pages, then send them."""
+
+    def send_metadata(self: Any, kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        room = getattr(self, "bootstrap_room", None)
+        pool = RUNTIME.decode_kv_pool
+        if RUNTIME.config.canary is not Mode.OFF and room is not None and pool is not None and len(kv_indices):
+            _stamp(int(room), [int(p) for p in kv_indices], pool)
+        return original(self, kv_indices, *args, **kwargs)
+
+    return send_metadata
+
+
+def _stamp(room: int, pages: list[int], pool: Any) -> None:
+    if STAMPS.has(room):
+        return
+    marker = canary.new_marker(str(room))
+    canary.stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
+    STAMPS.add(room, Stamp(marker, tuple(pages)))
+
+
+def check_before_commit(is_fake_transfer: Callable[[Any], bool],
+                        abort_transferred: Callable[[Any, Any, Decision], None],
+                        agree: Callable[[Any, Decision, str], Decision]) -> Callable[[Func], Func]:
+    """``DecodeTransferQueue._commit_transfer_to_req(decode_req)``: abort when a stamped page is unwritten."""
+
+    def make(original: Func) -> Func:
+        def commit(self: Any, decode_req: Any) -> Any:
+            mode = RUNTIME.config.canary
+            req = decode_req.req
+            if mode is Mode.OFF or is_fake_transfer(req):
+                return original(self, decode_req)
+            rid = str(req.rid)
+            decision = agree(self, _local_decision(rid, getattr(req, "bootstrap_room", None)), rid)
+            if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
+                abort_transferred(self, decode_req, decision)
+                return None
+            return original(self, decode_req)
+
+        return commit
+
+    return make
+
+
+def _local_decision(rid: str, room: Any) -> Decision:
+    stamp = STAMPS.pop(int(room)) if room is not None else None
+    pool = RUNTIME.decode_kv_pool
+    if stamp is None or pool is None:
+        reason = f"request {rid}: no canary stamp recorded for room {room}; refusing to decode unverified pages"
+        return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid, "room": room})
+    try:
+        return canary.check_stamps(rid, canary_buffers(pool), stamp.pages, int(pool.page_size), stamp.marker)
+    except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
+        reason = f"request {rid}: canary check failed ({exc!r}); refusing to decode unverified pages"
+        return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid})

@@ -1,0 +1,219 @@
+"""Checksum hooks: prefill publishes per-KV-head digests of the KV it sends; decode verifies before commit.
+
+Prefill, when a request's final chunk is about to be sent, digests the request's KV rows for exactly the
+token range it sends (``[decode's cached prefix, sent end)``) on each TP rank and posts the packed shard to its
+bootstrap server (:mod:`.digest_channel`). Decode, before committing a finished transfer, digests the rows at
+its own slots for ``[prefill's start, reserved length)``, compares per head (:func:`checksum.compare`), and
+when its TP group has more than one rank, agrees with the other ranks over the queue's gloo group within a
+bound (:func:`checksum.agree_across_ranks`). The decision is applied through the same abort as coverage.
+
+Family differences (how a ``Req`` names its pool row and sent range, how decode aborts) come in as a
+:class:`DigestReader`; this module itself touches only the KV pool (``k_buffer``/``v_buffer`` or MLA's
+``kv_buffer``), ``model_config`` and the scheduler's TP coordinates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_harden import events
+from sglang_harden.compat import digest_channel
+from sglang_harden.compat.runtime import RUNTIME
+from sglang_harden.config import Mode
+from sglang_harden.guards import checksum
+from sglang_harden.guards.base import Decision, Verdict
+from sglang_harden.kernels.digest import shard_digest
+from sglang_harden.kernels.digest_spec import KVLayout, ShardDigest, check_layout
+
+logger = logging.getLogger("sglang_harden")
+
+Func = Callable[..., Any]
+FETCH_WAIT_S = 2.0
+AGREE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class DigestReader:
+    """Per-family access: a request's row in ``req_to_token``, the token range prefill sends on its last
+    chunk (``(scheduler, req, end_idx)`` -> ``(start, end)``), whether a decode request is the warm-up's
+    fake transfer, and how decode aborts a transferred request with a decision."""
+
+    pool_row: Callable[[Any], int]
+    sent_range: Callable[[Any, Any, Any], tuple[int, int]]
+    is_fake_transfer: Callable[[Any], bool]
+    abort_transferred: Callable[[Any, Any, Decision], None]
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+def _tp_coordinates(scheduler: Any) -> tuple[int, int]:
+    rank = getattr(scheduler, "attn_tp_rank", None)
+    size = getattr(scheduler, "attn_tp_size", None)
+    if rank is None or size is None:
+        rank, size = getattr(scheduler, "tp_rank", 0), getattr(scheduler, "tp_size", 1)
+    return int(rank), int(size)
+
+
+def pool_layout(scheduler: Any) -> tuple[KVLayout | None, list[Any], list[Any] | None, str]:
+    """This rank's KV layout and buffers, or ``(None, [], None, reason)`` when the pool is not digestible."""
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    rank, size = _tp_coordinates(scheduler)
+    if getattr(pool, "use_hnd", False):
+        return None, [], None, "KV pool uses the HND layout"
+    if getattr(pool, "kv_buffer", None) is not None and getattr(pool, "k_buffer", None) is None:
+        buffers, v_buffers, halves, total, start, heads, replicated = pool.kv_buffer, None, 1, 1, 0, 1, True
+    else:
+        buffers, v_buffers = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+        if not buffers or not v_buffers:
+            return None, [], None, f"{type(pool).__name__} has no per-layer K/V buffers"
+        if buffers[0].shape[-1] != v_buffers[0].shape[-1]:
+            return None, [], None, "K and V rows differ in width"
+        halves, heads = 2, int(buffers[0].shape[1])
+        total = int(scheduler.model_config.get_total_num_kv_heads())
+        replicated = total < size
+        start = rank * total // size if replicated else rank * heads
+    first = buffers[0]
+    layout = KVLayout(
+        dtype=str(getattr(pool, "dtype", first.dtype)).removeprefix("torch."),
+        head_dim=int(first.shape[-1]),
+        itemsize=int(first.element_size()),
+        num_layers=len(buffers),
+        kv_halves=halves,
+        total_kv_heads=total,
+        head_start=start,
+        num_heads=heads,
+        page_size=int(getattr(pool, "page_size", 1)),
+        replicated=replicated,
+    )
+    try:
+        check_layout(layout)
+    except ValueError as exc:
+        return None, [], None, f"KV layout not digestible: {exc}"
+    return layout, list(buffers), list(v_buffers) if v_buffers is not None else None, ""
+
+
+def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDigest | None, str]:
+    """This rank's digest of the request's KV rows ``[start, end)`` (``req_to_token[row]``)."""
+    layout, k_buffers, v_buffers, reason = pool_layout(scheduler)
+    if layout is None:
+        return None, reason
+    slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
+    rank, _ = _tp_coordinates(scheduler)
+    return shard_digest(k_buffers, v_buffers, slots, layout, start_token=start, rank=rank), ""
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+
+def publish_sent_digest(reader: DigestReader) -> Callable[[Func], Func]:
+    """``send_kv_chunk(req, last_chunk, end_idx)``: before the final chunk goes out, publish this rank's digest
+    of every row the request sends (digesting fails open to "not published": decode then skips, saying why)."""
+
+    def make(original: Func) -> Func:
+        def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
+            if last_chunk and RUNTIME.config.checksum is not Mode.OFF and RUNTIME.digest_publisher is not None:
+                _publish(self, req, reader, end_idx)
+            return original(self, req, last_chunk, end_idx)
+
+        return send_kv_chunk
+
+    return make
+
+
+def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> None:
+    room = getattr(req, "bootstrap_room", None)
+    if room is None:
+        return
+    try:
+        start, end = reader.sent_range(scheduler, req, end_idx)
+        shard, reason = digest_rows(scheduler, reader.pool_row(req), start, end)
+    except Exception as exc:  # noqa: BLE001 - never break a send; decode sees no digest and says so
+        shard, reason = None, f"digest failed: {exc!r}"
+    if shard is None:
+        logger.warning("sglang-harden: no KV digest published for request %s: %s", req.rid, reason)
+        return
+    publisher = RUNTIME.digest_publisher
+    assert publisher is not None
+    publisher.publish(digest_channel.PublishedShard(int(room), shard.rank, tuple(checksum.pack_shard(shard))))
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+def verify_before_commit(reader: DigestReader) -> Callable[[Func], Func]:
+    """``DecodeTransferQueue._commit_transfer_to_req(decode_req)``: every rank verifies its shard, the ranks
+    agree, and a mismatch aborts the request before its first decode step."""
+
+    def make(original: Func) -> Func:
+        def commit(self: Any, decode_req: Any) -> Any:
+            mode = RUNTIME.config.checksum
+            req = decode_req.req
+            if mode is Mode.OFF or reader.is_fake_transfer(req):
+                return original(self, decode_req)
+            decision = agree_on_group(self, _local_decision(self, decode_req, reader), str(req.rid))
+            if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
+                reader.abort_transferred(self, decode_req, decision)
+                return None
+            return original(self, decode_req)
+
+        return commit
+
+    return make
+
+
+def _local_decision(queue: Any, decode_req: Any, reader: DigestReader) -> Decision:
+    req = decode_req.req
+    rid = str(req.rid)
+    try:
+        return _compare_with_prefill(queue.scheduler, decode_req, reader)
+    except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed, on this rank and so on all
+        reason = f"request {rid}: KV digest could not be verified ({exc!r}); refusing to decode unverified pages"
+        return Decision(checksum.GUARD, Verdict.ABORT, reason, checksum.ABORT_STATUS, {"rid": rid})
+
+
+def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader) -> Decision:
+    req = decode_req.req
+    rid = str(req.rid)
+    layout, _, _, reason = pool_layout(scheduler)
+    if layout is None:
+        return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None,
+                        {"rid": rid})
+    mine = set(layout.heads)
+    addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
+
+    def covers_my_heads(shards: dict[int, tuple[int, ...]]) -> bool:
+        unpacked = [s for s in (checksum.unpack_shard(v) for v in shards.values()) if s is not None]
+        return mine <= {h for s in unpacked for h in s.layout.heads}
+
+    fetched = digest_channel.fetch_digests(addr, int(req.bootstrap_room), FETCH_WAIT_S, covers_my_heads)
+    published = [s for s in (checksum.unpack_shard(v) for v in fetched.shards.values()) if s is not None]
+    if not published:
+        reason = fetched.reason or "prefill published no digest"
+        return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None,
+                        {"rid": rid})
+    start = min(s.start_token for s in published)
+    shard, reason = digest_rows(scheduler, reader.pool_row(req), start, len(req.origin_input_ids))
+    if shard is None:
+        return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None,
+                        {"rid": rid})
+    return checksum.compare(published, shard, rid)
+
+
+def agree_on_group(queue: Any, local: Decision, rid: str) -> Decision:
+    """One outcome for every rank of decode's TP group (a lone rank agrees with itself); ranks commit the same
+    requests in the same order (their polls are all-reduced), so the exchange pairs up."""
+    group = getattr(queue, "gloo_group", None)
+    if group is None or _world_size(group) <= 1:
+        return local
+    transport = checksum.TorchGroupTransport(group)
+    return checksum.agree_across_ranks([local], transport, AGREE_TIMEOUT_S, [rid])[0]
+
+
+def _world_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group)) if dist.is_initialized() else 1

@@ -1,0 +1,96 @@
+"""Test hook (test-only): corrupt one transfer on the real PD pair. Enabled by
+``SGLANG_HARDEN_TESTBED_KV_FAULT=<kind>:<n>[,<kind>:<n>...]`` (both servers read it; each acts on its side).
+
+Kinds:
+
+* ``flip:<room>`` (decode): right before decode commits the finished transfer of that bootstrap room, one bit of
+  one received KV row (layer 0 K, the request's middle token) is flipped: a corrupted transfer.
+* ``unwritten:<pages>`` (prefill): a KV send of exactly ``<pages>`` pages leaves out its last page (source and
+  destination alike), so the transfer reports success and decode's last reserved page keeps whatever it held
+  before: a reserved page the transfer never wrote, the incident's stale page.
+
+Vanilla decode generates over the result without noticing; the checksum and canary guards must abort it.
+Wraps ``DecodeTransferQueue._commit_transfer_to_req`` and the Mooncake/NIXL managers' ``send_kvcache``
+(outside sglang-harden's own wrappers, keeping their marks).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Any
+
+from sglang_harden_shimkit import wrap_methods_once
+
+from sglang_harden._importhook import when_imported
+
+ENV = "SGLANG_HARDEN_TESTBED_KV_FAULT"
+
+
+def faults(kind: str) -> set[int]:
+    """The numbers given for ``kind`` in the environment."""
+    chosen: set[int] = set()
+    for item in os.environ.get(ENV, "").split(","):
+        if item.strip():
+            name, number = item.split(":")
+            if name.strip() == kind:
+                chosen.add(int(number))
+    return chosen
+
+
+def _flip_one_bit(queue: Any, req: Any) -> None:
+    import torch
+
+    scheduler = queue.scheduler
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    token = len(req.origin_input_ids) // 2
+    slot = int(scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, token])
+    row = pool.k_buffer[0][slot]
+    raw = row.view(torch.uint8).reshape(-1)
+    raw[0] ^= 1
+
+
+def _wrap_commit(original: Any) -> Any:
+    rooms = faults("flip")
+
+    @functools.wraps(original)
+    def commit(self: Any, decode_req: Any) -> Any:
+        room = getattr(decode_req.req, "bootstrap_room", None)
+        if room is not None and int(room) in rooms:
+            _flip_one_bit(self, decode_req.req)
+        return original(self, decode_req)
+
+    return commit
+
+
+def _wrap_send_kvcache(original: Any) -> Any:
+    sizes = faults("unwritten")
+
+    @functools.wraps(original)
+    def send_kvcache(self: Any, peer: Any, prefill_kv_indices: Any, dst_kv_ptrs: Any, dst_kv_indices: Any,
+                     *args: Any, **kwargs: Any) -> Any:
+        if len(prefill_kv_indices) in sizes and len(dst_kv_indices) == len(prefill_kv_indices):
+            prefill_kv_indices, dst_kv_indices = prefill_kv_indices[:-1], dst_kv_indices[:-1]
+        return original(self, peer, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *args, **kwargs)
+
+    return send_kvcache
+
+
+def _patch_decode(module: ModuleType) -> None:
+    wrap_methods_once(module.DecodeTransferQueue, "_sglang_harden_kvfault", {"_commit_transfer_to_req": _wrap_commit})
+
+
+def _patch_manager(class_name: str) -> Any:
+    def patch(module: ModuleType) -> None:
+        cls = getattr(module, class_name, None)
+        if cls is not None:
+            wrap_methods_once(cls, "_sglang_harden_kvfault", {"send_kvcache": _wrap_send_kvcache})
+
+    return patch
+
+
+def install() -> None:
+    when_imported("sglang.srt.disaggregation.decode", _patch_decode)
+    when_imported("sglang.srt.disaggregation.mooncake.conn", _patch_manager("MooncakeKVManager"))
+    when_imported("sglang.srt.disaggregation.nixl.conn", _patch_manager("NixlKVManager"))

@@ -1,0 +1,163 @@
+"""The checksum hooks' KV side on SGLang's real ``MHATokenToKVPool`` (CPU), in one process: run under a pin venv.
+
+Prefill and decode each get a real pool; "the transfer" copies the request's rows from prefill's slots to
+decode's (different) slots, as the KV transfer does. The schedulers are stand-ins holding what
+``compat.kv_digest`` reads from a scheduler (the pool, ``req_to_token``, the TP coordinates, the model's KV
+head count), because a real scheduler needs a model. Asserted: a faithful copy compares equal, at the same and
+at different TP widths (prefill TP 1, decode TP 2 as two pools of one head each); a flipped bit, a row the
+copy skipped and a short send are each an abort.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+from sglang_harden.compat import kv_digest  # noqa: E402
+from sglang_harden.guards import checksum  # noqa: E402
+from sglang_harden.guards.base import Verdict  # noqa: E402
+
+SIZE, HEADS, DIM, LAYERS = 64, 2, 16, 3
+N_TOKENS = 20
+PREFILL_SLOTS = list(range(3, 3 + N_TOKENS))
+DECODE_SLOTS = list(range(40, 40 + N_TOKENS))[::-1]  # any order: the digest follows token positions
+
+
+def _pool(heads: int = HEADS) -> Any:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(SIZE, 1, torch.bfloat16, heads, DIM, LAYERS, "cpu", False)
+
+
+def _scheduler(pool: Any, slots: list[int], rank: int = 0, size: int = 1) -> Any:
+    req_to_token = torch.zeros((2, SIZE), dtype=torch.int32)
+    req_to_token[1, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    return SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: HEADS),
+        tp_rank=rank,
+        tp_size=size,
+    )
+
+
+def _filled_prefill() -> Any:
+    pool = _pool()
+    gen = torch.Generator().manual_seed(5)
+    for buffers in (pool.k_buffer, pool.v_buffer):
+        for layer in buffers:
+            layer.copy_(torch.randn(layer.shape, generator=gen).to(layer.dtype))
+    return pool
+
+
+def _transfer(src: Any, dst: Any, heads: slice = slice(None), skip: int | None = None) -> None:
+    for src_bufs, dst_bufs in ((src.k_buffer, dst.k_buffer), (src.v_buffer, dst.v_buffer)):
+        for s, d in zip(src_bufs, dst_bufs, strict=True):
+            for i, (a, b) in enumerate(zip(PREFILL_SLOTS, DECODE_SLOTS, strict=True)):
+                if i != skip:
+                    d[b] = s[a, heads]
+
+
+def _prefill_shard(pool: Any, end: int = N_TOKENS) -> Any:
+    shard, reason = kv_digest.digest_rows(_scheduler(pool, PREFILL_SLOTS), 1, 0, end)
+    assert shard is not None, reason
+    return shard
+
+
+def _decode_verdict(prefill_shard: Any, pool: Any, rank: int = 0, size: int = 1) -> Verdict:
+    shard, reason = kv_digest.digest_rows(_scheduler(pool, DECODE_SLOTS, rank, size), 1, 0, N_TOKENS)
+    assert shard is not None, reason
+    return checksum.compare([prefill_shard], shard, "r").verdict
+
+
+def test_real_pool_layout_is_read() -> None:
+    layout, k, v, reason = kv_digest.pool_layout(_scheduler(_pool(), PREFILL_SLOTS))
+    assert layout is not None, reason
+    assert (layout.dtype, layout.head_dim, layout.itemsize, layout.num_layers) == ("bfloat16", DIM, 2, LAYERS)
+    assert (layout.kv_halves, layout.total_kv_heads, layout.heads) == (2, HEADS, range(0, HEADS))
+    assert len(k) == len(v or []) == LAYERS
+
+
+def test_faithful_transfer_compares_equal() -> None:
+    prefill, decode = _filled_prefill(), _pool()
+    _transfer(prefill, decode)
+    assert _decode_verdict(_prefill_shard(prefill), decode) is Verdict.ALLOW
+
+
+def test_different_tp_widths_compare_per_head() -> None:
+    prefill = _filled_prefill()
+    shard = _prefill_shard(prefill)
+    for rank in range(HEADS):
+        decode = _pool(heads=1)
+        _transfer(prefill, decode, heads=slice(rank, rank + 1))
+        assert _decode_verdict(shard, decode, rank=rank, size=HEADS) is Verdict.ALLOW
+
+
+def test_flipped_bit_aborts() -> None:
+    prefill, decode = _filled_prefill(), _pool()
+    _transfer(prefill, decode)
+    decode.v_buffer[LAYERS - 1][DECODE_SLOTS[7]].view(torch.uint8).reshape(-1)[5] ^= 0x10
+    assert _decode_verdict(_prefill_shard(prefill), decode) is Verdict.ABORT
+
+
+def test_row_never_written_aborts() -> None:
+    prefill, decode = _filled_prefill(), _pool()
+    _transfer(prefill, decode, skip=N_TOKENS - 1)
+    assert _decode_verdict(_prefill_shard(prefill), decode) is Verdict.ABORT
+
+
+def test_short_send_aborts() -> None:
+    prefill, decode = _filled_prefill(), _pool()
+    _transfer(prefill, decode)
+    assert _decode_verdict(_prefill_shard(prefill, end=N_TOKENS - 4), decode) is Verdict.ABORT
+
+
+def test_published_shard_survives_the_wire() -> None:
+    shard = _prefill_shard(_filled_prefill())
+    assert checksum.unpack_shard(checksum.pack_shard(shard)) == shard
+
+
+# ------------------------------------------------------------------------------------------------ canary
+
+
+def _canary_commit(pool: Any, room: int, written: list[int], pages: list[int]) -> Any:
+    """Stamp ``pages`` through the real ``send_metadata`` wrapper, "transfer" into ``written``, then commit."""
+    import numpy as np
+
+    from sglang_harden.compat import kv_canary
+    from sglang_harden.compat.runtime import RUNTIME
+
+    RUNTIME.decode_kv_pool = pool
+    sent: list[Any] = []
+    send = kv_canary.stamp_before_send(lambda self, kv_indices, *a, **k: sent.append(kv_indices))
+    send(SimpleNamespace(bootstrap_room=room), np.array(pages, dtype=np.int32), 0)
+    source = _filled_prefill()
+    for page in written:
+        for src, dst in ((source.k_buffer, pool.k_buffer), (source.v_buffer, pool.v_buffer)):
+            for s, d in zip(src, dst, strict=True):
+                d[page] = s[page]
+    aborted: list[Any] = []
+    commit = kv_canary.check_before_commit(
+        lambda req: False, lambda queue, dreq, decision: aborted.append(decision), lambda queue, d, rid: d
+    )(lambda self, decode_req: "committed")
+    req = SimpleNamespace(rid=f"canary-{room}", bootstrap_room=room)
+    result = commit(SimpleNamespace(), SimpleNamespace(req=req))
+    return result, aborted, sent
+
+
+def test_canary_passes_a_fully_written_transfer() -> None:
+    pages = list(range(10, 18))
+    result, aborted, sent = _canary_commit(_pool(), 501, pages, pages)
+    assert result == "committed" and not aborted and list(sent[0]) == pages
+
+
+def test_canary_catches_a_page_the_transfer_skipped() -> None:
+    pages = list(range(10, 18))
+    result, aborted, _ = _canary_commit(_pool(), 502, pages[:-1], pages)
+    assert result is None and aborted and aborted[0].verdict is Verdict.ABORT
+    assert aborted[0].fields["unwritten_pages"] == [17]
