@@ -530,13 +530,31 @@ def _send_metadata(original: Func) -> Func:
     return send_metadata
 
 
+TRANSFER_ATTR = "_sglang_harden_transfer"
+
+
+def _commit_finishes_transfer(original: Func) -> Func:
+    """The ledger learns the transfer finished (its pages written) before SGLang commits the request."""
+
+    def commit(self: Any, decode_req: Any) -> Any:
+        node = NODE
+        room = getattr(decode_req.req, "bootstrap_room", None)
+        transfer = node.finish(int(room)) if isinstance(node, DecodeNode) and room is not None else None
+        setattr(decode_req, TRANSFER_ATTR, transfer)
+        return original(self, decode_req)
+
+    return commit
+
+
 def _commit_with_tags(original: Func) -> Func:
+    """After the commit (the lifecycle wrapper inside has finished the transfer), check the page table."""
+
     def commit(self: Any, decode_req: Any) -> Any:
         node = NODE
         req = decode_req.req
         room = getattr(req, "bootstrap_room", None)
-        transfer = node.finish(int(room)) if isinstance(node, DecodeNode) and room is not None else None
         result = original(self, decode_req)
+        transfer = getattr(decode_req, TRANSFER_ATTR, None)
         if transfer is None or _aborted(req):
             return result
         decision = check_request_pages(node, self.scheduler, req, transfer)  # type: ignore[arg-type]
@@ -800,6 +818,8 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", CONN, "CommonKVManager.register_deferred_ack_target", ("self", "room"), _capture_ack_target),
     Hook("lifecycle", INVARIANTS, "SchedulerInvariantChecker._check_pool_invariant",
          ("pool_name", "available", "evictable", "protected", "session_held", "total"), _account_held_pages),
+    Hook("lifecycle", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
+         _commit_finishes_transfer),
     Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _commit_with_tags),
 ]

@@ -141,6 +141,9 @@ def test_clean_requests_are_verified_and_unchanged(pairs: dict[str, PDPair]) -> 
     assert decisions.get("checksum:allow", 0) >= len(CLEAN_ROOMS), decisions
     assert decisions.get("canary:allow", 0) >= len(CLEAN_ROOMS), decisions
     assert decisions.get("checksum:skip", 0) == 0, decisions
+    # The ledger learns a transfer finished without the page-tag hook: clean requests' pages are freed,
+    # not quarantined.
+    assert decisions.get("lifecycle:quarantine", 0) == 0, decisions
 
 
 def test_flipped_bit_is_caught(pairs: dict[str, PDPair]) -> None:

@@ -243,7 +243,8 @@ def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
                           prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
     queue = SimpleNamespace(scheduler=_scheduler_with_table(rows))
     committed: list[str] = []
-    wrapped = lifecycle_v05._commit_with_tags(lambda self, decode_req: committed.append(decode_req.req.rid))
+    inner = lifecycle_v05._commit_finishes_transfer(lambda self, decode_req: committed.append(decode_req.req.rid))
+    wrapped = lifecycle_v05._commit_with_tags(inner)
     wrapped(queue, SimpleNamespace(req=req))
     assert committed == ["req-c"]
     assert type(req.finished_reason).__name__ == "FINISH_ABORT"
