@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Per-request cost of the KV digest on the real CPU PD pair: vanilla, hardened without and with the digest.
 
-Starts three pairs of one pin (tiny model, Mooncake TCP on loopback) side by side:
+Runs three pairs of one pin (tiny model, Mooncake TCP on loopback), one at a time (on this 2-core machine
+idle SGLang servers poll busily, so pairs running side by side slow each other down tenfold):
 
 * ``vanilla``   - ``sglang.launch_server``;
 * ``no_digest`` - ``sglang_harden.launch_server`` with ``--harden-checksum off`` (every other guard on);
 * ``hardened``  - ``sglang_harden.launch_server`` with every guard on, the digest included.
 
-and sends the same greedy requests to each, interleaved request by request (so drift on this shared machine
-hits all three alike), discarding warm-up rounds. Reports per-request end-to-end latency medians and minima
-and the ratios ``hardened / vanilla`` and ``hardened / no_digest`` (the digest alone). Goal (issue 7): the
-per-request overhead of the digest <= 1.02x.
+and sends the same greedy requests to each, discarding warm-up requests. Reports per-request end-to-end
+latency medians and minima and the ratios ``hardened / vanilla`` and ``hardened / no_digest`` (the digest
+alone). Goal (issue 7): the per-request overhead of the digest <= 1.02x. ``--passes 2`` runs the variants
+twice, in reverse order the second time, so slow drift shows up as a difference between passes.
 
     python3 scripts/bench_digest_pd.py --pin 0.5.19 --json
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,11 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--requests", type=int, default=30, help="measured requests per variant")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--passes", type=int, default=1)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
-def start(pin: str, backend: str, variant: str, log_root: Path) -> PDPair:
+def start(pin: str, backend: str, variant: str, log_dir: Path) -> PDPair:
     launcher, env = VARIANTS[variant]
     pair = PDPair(
         pin,
@@ -61,21 +64,34 @@ def start(pin: str, backend: str, variant: str, log_root: Path) -> PDPair:
         transfer_backend=backend,
         env=env,
         launcher_module=launcher,
-        log_dir=log_root / variant,
+        log_dir=log_dir / variant,
     )
     return pair.start()
 
 
-def measure(pairs: dict[str, PDPair], args: argparse.Namespace) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in pairs}
+def measure_one(pair: PDPair, name: str, args: argparse.Namespace) -> list[float]:
+    times: list[float] = []
     for i in range(args.warmup + args.requests):
         body = greedy_body(tenant_a_prompt(1000 + i, args.prompt_tokens), args.new_tokens, rid=None)
-        for name, pair in pairs.items():
-            result = pair.generate(body, timeout=120)
-            if not (result.prefill.ok and result.decode.ok):
-                raise RuntimeError(f"{name}: request {i} failed: {result.decode.summary()}")
-            if i >= args.warmup:
-                times[name].append(result.decode.elapsed_s)
+        result = pair.generate(body, timeout=120)
+        if not (result.prefill.ok and result.decode.ok):
+            raise RuntimeError(f"{name}: request {i} failed: {result.decode.summary()}")
+        if i >= args.warmup:
+            times.append(result.decode.elapsed_s)
+    return times
+
+
+def measure(args: argparse.Namespace, log_root: Path) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    order = list(VARIANTS)
+    for n in range(args.passes):
+        for variant in order if n % 2 == 0 else order[::-1]:
+            print(f"[bench-digest-pd] pass {n + 1}: {variant} (logs {log_root / variant})", file=sys.stderr)
+            pair = start(args.pin, args.backend, variant, log_root / f"pass{n + 1}")
+            try:
+                times[variant] += measure_one(pair, variant, args)
+            finally:
+                pair.stop()
     return times
 
 
@@ -88,6 +104,7 @@ def report(times: dict[str, list[float]], args: argparse.Namespace) -> dict[str,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "requests": args.requests,
+        "passes": args.passes,
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "min_s": {k: round(v, 4) for k, v in low.items()},
         "ratio_median": {
@@ -103,16 +120,9 @@ def report(times: dict[str, list[float]], args: argparse.Namespace) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the running pair is stopped on the way out
     log_root = Path(tempfile.mkdtemp(prefix="sglang-harden-bench-digest-"))
-    pairs: dict[str, PDPair] = {}
-    try:
-        for variant in VARIANTS:
-            print(f"[bench-digest-pd] starting {variant} pair (logs {log_root / variant})", file=sys.stderr)
-            pairs[variant] = start(args.pin, args.backend, variant, log_root)
-        result = report(measure(pairs, args), args)
-    finally:
-        for pair in pairs.values():
-            pair.stop()
+    result = report(measure(args, log_root), args)
     if args.json:
         print(json.dumps(result))
     else:
