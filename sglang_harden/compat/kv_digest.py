@@ -180,27 +180,31 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
     rid = str(req.rid)
     layout, _, _, reason = pool_layout(scheduler)
     if layout is None:
-        return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None,
-                        {"rid": rid})
+        return _not_comparable(rid, reason)
     mine = set(layout.heads)
     addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
 
     def covers_my_heads(shards: dict[int, tuple[int, ...]]) -> bool:
-        unpacked = [s for s in (checksum.unpack_shard(v) for v in shards.values()) if s is not None]
-        return mine <= {h for s in unpacked for h in s.layout.heads}
+        return mine <= {h for s in _unpacked(shards) for h in s.layout.heads}
 
     fetched = digest_channel.fetch_digests(addr, int(req.bootstrap_room), FETCH_WAIT_S, covers_my_heads)
-    published = [s for s in (checksum.unpack_shard(v) for v in fetched.shards.values()) if s is not None]
+    published = _unpacked(fetched.shards)
     if not published:
-        reason = fetched.reason or "prefill published no digest"
-        return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None,
-                        {"rid": rid})
+        return _not_comparable(rid, fetched.reason or "prefill published no digest")
     start = min(s.start_token for s in published)
     shard, reason = digest_rows(scheduler, reader.pool_row(req), start, len(req.origin_input_ids))
     if shard is None:
-        return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None,
-                        {"rid": rid})
+        return _not_comparable(rid, reason)
     return checksum.compare(published, shard, rid)
+
+
+def _not_comparable(rid: str, reason: str) -> Decision:
+    return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None, {"rid": rid})
+
+
+def _unpacked(shards: dict[int, tuple[int, ...]]) -> list[ShardDigest]:
+    """The published shards of this spec version (anything else is ignored)."""
+    return [s for s in (checksum.unpack_shard(v) for v in shards.values()) if s is not None]
 
 
 def agree_on_group(queue: Any, local: Decision, rid: str) -> Decision:

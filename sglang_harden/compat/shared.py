@@ -159,16 +159,7 @@ def bootstrap_routes(original: Func) -> Func:
 
 async def handle_abort_put(request: Any) -> Any:
     """Only the prefill node's own processes post aborts (same host); anyone else gets 403."""
-    from aiohttp import web
-
-    if not _from_this_host(request):
-        return web.json_response({"error": "aborts are accepted from this host only"}, status=403)
-    try:
-        abort = notify.parse_abort_body(await request.content.read(64 * 1024))
-    except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
-    notify.BOARD.post(abort)
-    return web.json_response({"ok": True})
+    return await _accept_from_this_host(request, "aborts", 64 * 1024, notify.parse_abort_body, notify.BOARD.post)
 
 
 def _from_this_host(request: Any) -> bool:
@@ -178,15 +169,22 @@ def _from_this_host(request: Any) -> bool:
 
 async def handle_digest_put(request: Any) -> Any:
     """Only the prefill node's own schedulers post digests (same host); anyone else gets 403."""
+    return await _accept_from_this_host(request, "digests", 256 * 1024, digest_channel.parse_digest_body,
+                                        digest_channel.BOARD.post)
+
+
+async def _accept_from_this_host(request: Any, what: str, limit: int, parse: Callable[[bytes], Any],
+                                 post: Callable[[Any], None]) -> Any:
+    """A side-channel PUT: 403 from another host, 400 on a malformed body, else ``post(parse(body))``."""
     from aiohttp import web
 
     if not _from_this_host(request):
-        return web.json_response({"error": "digests are accepted from this host only"}, status=403)
+        return web.json_response({"error": f"{what} are accepted from this host only"}, status=403)
     try:
-        shard = digest_channel.parse_digest_body(await request.content.read(256 * 1024))
+        item = parse(await request.content.read(limit))
     except ValueError as exc:
         return web.json_response({"error": str(exc)}, status=400)
-    digest_channel.BOARD.post(shard)
+    post(item)
     return web.json_response({"ok": True})
 
 
