@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from sglang_harden.kernels.digest_native import digest_native, native_library, native_status  # noqa: E402
 from sglang_harden.kernels.digest_spec import KVLayout, token_slots  # noqa: E402
 from sglang_harden.kernels.digest_torch import digest_torch  # noqa: E402
 
@@ -101,11 +102,10 @@ def candidates(case: dict, device: torch.device) -> dict[str, Callable[[], objec
         for out, buf in zip(staging, k + v, strict=True):
             torch.index_select(buf, 0, slots, out=out)
 
-    fns: dict[str, Callable[[], object]] = {
-        "copy": copy,
-        "gather": gather,
-        "digest_torch": lambda: digest_torch(k, v, slots, layout),
-    }
+    fns: dict[str, Callable[[], object]] = {"copy": copy, "gather": gather}
+    if device.type == "cpu" and native_library() is not None:
+        fns["digest_native"] = lambda: digest_native(k, v, slots, layout)
+    fns["digest_torch"] = lambda: digest_torch(k, v, slots, layout)
     if device.type == "cuda":
         from sglang_harden.kernels.digest_triton import TritonDigester
 
@@ -152,6 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "device": torch.cuda.get_device_name(device) if cuda else f"cpu x{torch.get_num_threads()} threads",
         "torch": torch.__version__,
+        "native_digest": native_status()[1],
         "config": {k: getattr(args, k) for k in ("layers", "heads", "head_dim", "dtype", "tokens", "reps")},
         "results": results,
     }

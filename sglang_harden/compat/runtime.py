@@ -38,6 +38,8 @@ class Runtime:
     def configure(self, pin: str, family: str, source: str) -> None:
         self.config = load_config()
         self.pin, self.family, self.source = pin, family, source
+        if self.config.checksum.value != "off":
+            threading.Thread(target=_prepare_digest_kernel, name="sglang-harden-digest-build", daemon=True).start()
 
     def start_publisher(self, base_url: str) -> None:
         with self._lock:
@@ -60,6 +62,14 @@ class Runtime:
             self.pin, self.family, role, os.getpid(), self.source,
             ",".join(self.armed), self.config.capacity.value,
         )
+
+
+def _prepare_digest_kernel() -> None:
+    """Build (or load) the native digest now, off the scheduler thread, rather than on the first request."""
+    from sglang_harden.kernels.digest_native import native_status
+
+    built, detail = native_status()
+    logger.info("sglang-harden checksum digest on CPU tensors: %s (%s)", "native" if built else "torch", detail)
 
 
 RUNTIME = Runtime()

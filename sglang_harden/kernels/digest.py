@@ -1,4 +1,5 @@
-"""One entry point over the digest backends: Triton on CUDA tensors, torch otherwise, numpy for arrays.
+"""One entry point over the digest backends: Triton on CUDA tensors, native C on CPU tensors (torch when no
+compiler is available), numpy for arrays.
 
 All backends return the same per-head digests bit for bit (see :mod:`.digest_spec` for the definition).
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 from sglang_harden.kernels.digest_spec import KVLayout, ShardDigest
 
-BACKENDS = ("auto", "numpy", "torch", "triton")
+BACKENDS = ("auto", "numpy", "torch", "triton", "native")
 
 
 def triton_available() -> bool:
@@ -19,16 +20,19 @@ def triton_available() -> bool:
 
 
 def pick_backend(first_buffer: Any, backend: str = "auto") -> str:
-    """``auto``: numpy for numpy arrays, Triton for CUDA tensors when importable, torch otherwise."""
+    """``auto``: numpy for numpy arrays, Triton for CUDA tensors when importable, native C for CPU tensors when
+    it builds (:func:`.digest_native.native_status`), torch otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown digest backend {backend!r}; known: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     if type(first_buffer).__module__ == "numpy":
         return "numpy"
-    if getattr(first_buffer, "is_cuda", False) and triton_available():
-        return "triton"
-    return "torch"
+    if getattr(first_buffer, "is_cuda", False):
+        return "triton" if triton_available() else "torch"
+    from sglang_harden.kernels.digest_native import native_library
+
+    return "native" if native_library() is not None else "torch"
 
 
 def compute_digests(
@@ -49,6 +53,10 @@ def compute_digests(
         from sglang_harden.kernels.digest_triton import digest_triton
 
         return digest_triton(k_buffers, v_buffers, slots, layout, start_token)
+    if chosen == "native":
+        from sglang_harden.kernels.digest_native import digest_native
+
+        return digest_native(k_buffers, v_buffers, slots, layout, start_token)
     from sglang_harden.kernels.digest_torch import digest_torch
 
     return digest_torch(k_buffers, v_buffers, slots, layout, start_token)

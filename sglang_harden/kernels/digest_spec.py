@@ -130,16 +130,13 @@ class KVLayout:
         return (self.dtype, self.head_dim, self.itemsize, self.num_layers, self.kv_halves, self.total_kv_heads)
 
     def invariant_hash(self) -> int:
-        return fold(
-            [
-                *_str_words(self.dtype),
-                self.head_dim,
-                self.itemsize,
-                self.num_layers,
-                self.kv_halves,
-                self.total_kv_heads,
-            ]
-        )
+        return _invariant_hash(self.invariant())
+
+
+@lru_cache(maxsize=64)
+def _invariant_hash(invariant: tuple[object, ...]) -> int:
+    dtype, *numbers = invariant
+    return fold([*_str_words(str(dtype)), *(int(x) for x in numbers)])  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -174,7 +171,13 @@ def check_layout(layout: KVLayout) -> None:
 
 
 def head_seed(layout: KVLayout, head: int, start_token: int, n_tokens: int) -> int:
-    return fold([SPEC_VERSION, layout.invariant_hash(), head, start_token, n_tokens])
+    """``fold([SPEC_VERSION, layout hash, head, start_token, n_tokens])``, the layout prefix computed once."""
+    return fold([head, start_token, n_tokens], _layout_seed(layout.invariant_hash()))
+
+
+@lru_cache(maxsize=64)
+def _layout_seed(invariant_hash: int) -> int:
+    return fold([SPEC_VERSION, invariant_hash])
 
 
 def finalize(sums: Sequence[int], layout: KVLayout, start_token: int, n_tokens: int) -> tuple[int, ...]:

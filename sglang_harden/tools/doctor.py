@@ -277,11 +277,19 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
             "family": harden.family if harden.available else None,
             "abort_field": sorted(P.abort_fields(tree)),
         },
-        "harden": {**asdict(harden), "config_error": config_error},
+        "harden": {**asdict(harden), "config_error": config_error, "digest_kernel": digest_kernel()},
         "protections": [_row_json(r) for r in rows],
         "missing": [r.key for r in rows if r.missing],
         "ok": not any(r.missing for r in rows),
     }
+
+
+def digest_kernel() -> dict:
+    """Which CPU path the checksum guard's digest takes on this machine (builds the native one if it can)."""
+    from sglang_harden.kernels.digest_native import native_status
+
+    built, detail = native_status()
+    return {"cpu_path": "native" if built else "torch", "detail": detail}
 
 
 def _row_json(row: Row) -> dict:
@@ -313,6 +321,9 @@ def render_text(data: dict, verbose: bool) -> str:
             lines.append(hd["note"])
     if hd.get("config_error"):
         lines.append(f"sglang-harden config error: {hd['config_error']}")
+    kernel = hd.get("digest_kernel")
+    if kernel:
+        lines.append(f"checksum digest on CPU tensors: {kernel['cpu_path']} ({kernel['detail']})")
     rows = []
     for p in data["protections"]:
         supplied = _yes_no(p["supplied_by_harden"], p["guard"])

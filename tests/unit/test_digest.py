@@ -1,4 +1,4 @@
-"""torch CPU and Triton digest paths match the numpy reference bit for bit.
+"""torch CPU, native C and Triton digest paths match the numpy reference bit for bit.
 
 Needs torch: run with a pin venv's python, e.g.
 ``~/.cache/sglang-harden/venvs/0.5.23/bin/python -m pytest tests/unit/test_digest.py``.
@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch not installed: run with a pin venv's python")
 
 from sglang_harden.kernels.digest import compute_digests, pick_backend, shard_digest  # noqa: E402
+from sglang_harden.kernels.digest_native import digest_native, native_status  # noqa: E402
 from sglang_harden.kernels.digest_ref import digest_numpy  # noqa: E402
 from sglang_harden.kernels.digest_spec import KVLayout, token_slots  # noqa: E402
 from sglang_harden.kernels.digest_torch import digest_torch  # noqa: E402
@@ -69,6 +70,58 @@ def test_torch_matches_numpy(case: tuple, seed: int) -> None:
     assert digest_torch(k, v, torch.tensor(slots), layout, start_token=5) == want
 
 
+def test_native_is_built_here() -> None:
+    """CI installs a C compiler, so the native path must be live there, not silently replaced by torch."""
+    built, why = native_status()
+    assert built, why
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_matches_numpy(case: tuple, seed: int) -> None:
+    layout = case_layout(*case)
+    k, v = random_pool(case[1], layout, 96, seed)
+    rng = np.random.default_rng(seed + 10)
+    n_tokens = int(rng.integers(1, 70))
+    pages = [int(p) for p in rng.permutation(96 // layout.page_size)]
+    slots = token_slots(pages, layout.page_size, n_tokens)
+    want = digest_numpy(as_numpy(k), as_numpy(v), slots, layout, start_token=7)
+    for threads in (1, 2, 5):  # 5 > layer halves for MLA: some runs get one half, none get zero
+        assert digest_native(k, v, slots, layout, start_token=7, threads=threads) == want
+
+
+def test_native_reads_strided_head_views_and_refuses_bad_slots() -> None:
+    """A pool whose rows are a view with a head stride wider than head_dim (e.g. a packed K|V buffer)."""
+    layout = case_layout(*CASES[0])
+    wide = torch.randint(0, 256, (40, layout.num_heads, 2 * layout.row_bytes), dtype=torch.uint8)
+    k = [wide.view(torch.bfloat16)[:, :, : layout.head_dim] for _ in range(layout.num_layers)]
+    v = [wide.view(torch.bfloat16)[:, :, layout.head_dim :] for _ in range(layout.num_layers)]
+    slots = [5, 39, 0, 17]
+    want = digest_numpy(as_numpy([b.contiguous() for b in k]), as_numpy([b.contiguous() for b in v]), slots, layout)
+    assert digest_native(k, v, slots, layout) == want
+    with pytest.raises(ValueError, match="outside the pool"):
+        digest_native(k, v, [40], layout)
+    with pytest.raises(ValueError, match="outside the pool"):
+        digest_native(k, v, [-1], layout)
+
+
+def test_native_off_switch_falls_back_to_torch(tmp_path: Path) -> None:
+    script = (
+        "from sglang_harden.kernels.digest_native import native_status\n"
+        "from sglang_harden.kernels.digest import pick_backend\n"
+        "import torch\n"
+        "print(native_status(), pick_backend(torch.zeros(1)))\n"
+    )
+    env = {**os.environ, "SGLANG_HARDEN_NATIVE_DIGEST": "0", "SGLANG_HARDEN_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "disabled by SGLANG_HARDEN_NATIVE_DIGEST" in out.stdout and out.stdout.strip().endswith("torch")
+    env = {**os.environ, "CC": "/nonexistent-cc", "PATH": str(tmp_path), "SGLANG_HARDEN_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "no C compiler" in out.stdout and out.stdout.strip().endswith("torch")
+
+
 def test_real_fp8_dtype_digests_its_bytes() -> None:
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is None:
@@ -85,7 +138,8 @@ def test_empty_request_and_dispatch() -> None:
     layout = case_layout(*CASES[0])
     k, v = random_pool(torch.bfloat16, layout, 32, 0)
     assert compute_digests(k, v, [], layout) == digest_numpy(as_numpy(k), as_numpy(v), [], layout)
-    assert pick_backend(k[0]) == "torch"
+    assert pick_backend(k[0]) == "native"
+    assert compute_digests(k, v, [3, 4], layout, backend="torch") == compute_digests(k, v, [3, 4], layout)
     assert pick_backend(as_numpy(k)[0]) == "numpy"
     sd = shard_digest(k, v, [3, 4], layout, rank=1)
     assert sd.rank == 1 and sd.n_tokens == 2 and set(sd.by_head()) == set(layout.heads)

@@ -1,0 +1,245 @@
+"""Native CPU path of the per-KV-head digest; bit-identical to :mod:`.digest_ref`.
+
+The torch path cannot hash at memory speed on a CPU: torch has no fused multiply-and-reduce for integers, so
+each chunk makes several passes and the row hashes are widened to int64. This path is one small C function
+(``digest_native.c``, next to this file) that reads every digested byte once. It is compiled on first use with
+the system C compiler into ``$SGLANG_HARDEN_HOME/kernels`` (default ``~/.cache/sglang-harden/kernels``), keyed
+by the source, the compiler and the flags, and loaded with ctypes. ctypes drops the GIL during the call, so the
+layer halves are split over ``threads`` Python threads.
+
+No compiler, a failed build or ``SGLANG_HARDEN_NATIVE_DIGEST=0``: :func:`native_library` returns ``None`` and
+callers use the torch path (same digests, slower). :func:`native_status` says which and why, for ``doctor``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sglang_harden.kernels.digest_spec import (
+    KEY_SALT,
+    LAYER_HALF_SHIFT,
+    MASK64,
+    KVLayout,
+    check_layout,
+    finalize,
+    multipliers,
+)
+
+SOURCE = Path(__file__).with_name("digest_native.c")
+DISABLE_ENV = "SGLANG_HARDEN_NATIVE_DIGEST"
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fno-strict-aliasing")
+BUILD_TIMEOUT_S = 120
+SPLIT_BYTES = 8 << 20  # below this a request's digest runs on the calling thread (waking workers costs more)
+MAX_CACHED_DIGESTERS = 16
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}  # "lib" -> ctypes.CDLL or None, "why" -> str
+_pool: dict[int, ThreadPoolExecutor] = {}
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("SGLANG_HARDEN_HOME") or str(Path.home() / ".cache" / "sglang-harden")
+    return Path(home) / "kernels"
+
+
+def find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """``-mavx2`` where this CPU has AVX2 (the build is cached per flag set, so mixed fleets stay safe)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    return ("-mavx2",) if " avx2" in info else ()
+
+
+def _library_path(compiler: str, flags: Sequence[str]) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    return cache_dir() / f"digest-{key}.so"
+
+
+def _build(compiler: str, flags: Sequence[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *flags, "-o", tmp, str(SOURCE)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        os.replace(tmp, target)  # atomic: ranks building at once each install a whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> tuple[Any, str]:
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, f"disabled by {DISABLE_ENV}"
+    compiler = find_compiler()
+    if compiler is None:
+        return None, "no C compiler (cc, gcc, clang or $CC) on PATH"
+    flags = (*BASE_FLAGS, *cpu_flags())
+    target = _library_path(compiler, flags)
+    try:
+        if not target.exists():
+            _build(compiler, flags, target)
+        lib = ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as exc:
+        return None, f"build failed: {exc.stderr.strip()[-300:]}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"build or load failed: {exc}"
+    fn = lib.sgh_digest_sums
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
+    return lib, f"built with {compiler} {' '.join(flags)} at {target}"
+
+
+def native_library() -> Any:
+    """The loaded kernel library, building it on first use; ``None`` when unavailable (see native_status)."""
+    with _lock:
+        if "lib" not in _loaded:
+            _loaded["lib"], _loaded["why"] = _load()
+        return _loaded["lib"]
+
+
+def native_status() -> tuple[bool, str]:
+    lib = native_library()
+    return lib is not None, _loaded["why"]
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    with _lock:
+        if threads not in _pool:
+            _pool[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sglang-harden-digest")
+        return _pool[threads]
+
+
+def default_threads() -> int:
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
+class NativeDigester:
+    """Prepared native digest for one pool: buffer pointers, strides and multipliers are set up once."""
+
+    def __init__(self, k_buffers: Sequence[Any], v_buffers: Sequence[Any] | None, layout: KVLayout) -> None:
+        from sglang_harden.kernels.digest_ref import layer_halves
+        from sglang_harden.kernels.digest_torch import words_torch
+
+        lib = native_library()
+        if lib is None:
+            raise RuntimeError(f"native digest unavailable: {_loaded['why']}")
+        check_layout(layout)
+        halves = [words_torch(b, layout) for b in layer_halves(k_buffers, v_buffers, layout)]
+        if any(h.device.type != "cpu" for h in halves):
+            raise ValueError("the native digest reads CPU tensors only")
+        strides = {(h.stride(0), h.stride(1)) for h in halves}
+        if len(strides) != 1:
+            raise ValueError(f"layer buffers must share one row layout, got strides {strides}")
+        self._fn = lib.sgh_digest_sums
+        self.layout = layout
+        self.stride_slot, self.stride_head = strides.pop()
+        self.pool_rows = halves[0].shape[0]
+        self._halves = halves  # keeps the storage behind the raw pointers alive
+        self.pointers = tuple(h.data_ptr() for h in halves)
+        words = layout.words_per_row
+        mult = multipliers(words)
+        self._mult_lo = (ctypes.c_uint32 * words)(*[m & 0xFFFFFFFF for m in mult])
+        self._mult_hi = (ctypes.c_uint32 * words)(*[m >> 32 for m in mult])
+        self._bases: dict[int, list[tuple[int, int, Any]]] = {}
+
+    def digest(self, slots: Sequence[int] | Any, start_token: int = 0, threads: int | None = None) -> tuple[int, ...]:
+        """Per-head digests ``D_h`` (local head order) of the rows at pool ``slots`` (send order)."""
+        import torch
+
+        idx = torch.as_tensor(slots, dtype=torch.int64).contiguous()
+        n = idx.numel()
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= self.pool_rows):
+            raise ValueError(f"slots outside the pool of {self.pool_rows} rows")
+        heads = self.layout.num_heads
+        nbytes = n * heads * self.layout.row_bytes * len(self.pointers)
+        wanted = threads or (default_threads() if nbytes >= SPLIT_BYTES else 1)
+        parts = self._parts(wanted)
+        sums = [(ctypes.c_uint64 * heads)() for _ in parts]
+
+        def run(part: int) -> None:
+            first, count, bases = parts[part]
+            self._fn(
+                bases, first, count, idx.data_ptr(), n, start_token, heads, self.layout.words_per_row,
+                self.stride_slot, self.stride_head, self._mult_lo, self._mult_hi, KEY_SALT, LAYER_HALF_SHIFT,
+                sums[part],
+            )  # fmt: skip
+
+        if len(parts) == 1:
+            run(0)
+        else:
+            list(_executor(len(parts)).map(run, range(len(parts))))
+        totals = [sum(s[h] for s in sums) & MASK64 for h in range(heads)]
+        return finalize(totals, self.layout, start_token, n)
+
+    def _parts(self, threads: int) -> list[tuple[int, int, Any]]:
+        """The layer halves in at most ``threads`` contiguous runs: ``(first_half, count, pointer array)``."""
+        if threads not in self._bases:
+            runs = split_halves(len(self.pointers), threads)
+            self._bases[threads] = [
+                (first, count, (ctypes.c_void_p * count)(*self.pointers[first : first + count]))
+                for first, count in runs
+            ]
+        return self._bases[threads]
+
+
+_digesters: dict[tuple[Any, ...], NativeDigester] = {}
+
+
+def digest_native(
+    k_buffers: Sequence[Any],
+    v_buffers: Sequence[Any] | None,
+    slots: Sequence[int] | Any,
+    layout: KVLayout,
+    start_token: int = 0,
+    threads: int | None = None,
+) -> tuple[int, ...]:
+    """:meth:`NativeDigester.digest`, with the digester of these buffers kept for the next call."""
+    buffers = [*k_buffers, *(v_buffers or ())]
+    key = (layout, *((b.data_ptr(), tuple(b.shape), tuple(b.stride())) for b in buffers))
+    digester = _digesters.get(key)
+    if digester is None:
+        digester = NativeDigester(k_buffers, v_buffers, layout)
+        if len(_digesters) >= MAX_CACHED_DIGESTERS:
+            _digesters.clear()
+        _digesters[key] = digester
+    return digester.digest(slots, start_token, threads)
+
+
+def split_halves(n_halves: int, threads: int) -> list[tuple[int, int]]:
+    """``[(first_half, count), ...]``: ``n_halves`` layer halves in at most ``threads`` contiguous runs."""
+    threads = max(1, min(threads, n_halves))
+    base, extra = divmod(n_halves, threads)
+    runs, first = [], 0
+    for i in range(threads):
+        count = base + (1 if i < extra else 0)
+        runs.append((first, count))
+        first += count
+    return runs
