@@ -27,6 +27,7 @@ _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
 _prom_counter: object | None = None
 _prom_failed = False
+_prom_children: dict[tuple[str, str], object] = {}
 
 
 def _prometheus_counter() -> object | None:
@@ -54,13 +55,25 @@ def record(decision: Decision, mode: Mode, **context: object) -> bool:
     label = decision.verdict.value if applied or decision.allows else f"{decision.verdict.value}_logged"
     with _lock:
         _counts[(decision.guard, label)] += 1
-    counter = _prometheus_counter()
-    if counter is not None:
-        counter.labels(guard=decision.guard, decision=label).inc()  # type: ignore[attr-defined]
+    child = _counter_child(decision.guard, label)
+    if child is not None:
+        child.inc()  # type: ignore[attr-defined]
     level = logging.DEBUG if decision.allows else logging.WARNING
     if logger.isEnabledFor(level):  # an allow on the hot path costs a counter bump, not a JSON dump
         logger.log(level, "%s %s", LOG_TAG, _log_line(decision, mode, label, context))
     return applied and not decision.allows
+
+
+def _counter_child(guard: str, label: str) -> object | None:
+    """The labelled counter sample, looked up once per (guard, decision) rather than once per decision."""
+    child = _prom_children.get((guard, label))
+    if child is None:
+        counter = _prometheus_counter()
+        if counter is None:
+            return None
+        child = counter.labels(guard=guard, decision=label)  # type: ignore[attr-defined]
+        _prom_children[(guard, label)] = child
+    return child
 
 
 def _log_line(decision: Decision, mode: Mode, label: str, context: dict[str, object]) -> str:

@@ -135,17 +135,16 @@ class DecodeNode:
 
     @property
     def states(self) -> np.ndarray:
-        return np.frombuffer(self.ledger.state_column(), dtype=np.int8)
+        return self.ledger.state_array()
 
     # ---- transfer path (scheduler thread)
     def begin(self, room: int, addr: str, required_acks: int, pages: np.ndarray, receiver: Any) -> Decision:
         owner = owner_of_room(room)
         try:
-            generation = self.ledger.reserve_bulk(owner, pages)
+            generation = self.ledger.reserve_bulk(owner, pages, PageState.WRITING)
         except LedgerError as exc:
             return Decision(lifecycle.GUARD, Verdict.ABORT, f"destination page not free: {exc}", 500,
                             {"room": room})
-        self.ledger.move_bulk(owner, pages, PageState.WRITING)
         self.transfers[owner] = Transfer(owner, room, addr, required_acks, generation, pages, receiver)
         return allow(lifecycle.GUARD, room=room, pages=int(pages.size))
 
@@ -190,10 +189,16 @@ class DecodeNode:
             return None
         tracked_pages = pages[tracked]
         owner_ids = self.ledger.owner_ids_of(tracked_pages)
-        for owner_id in np.unique(owner_ids).tolist():
+        if (owner_ids == owner_ids[0]).all():  # the usual case: one request's pages
+            groups = [(int(owner_ids[0]), tracked_pages)]
+        else:
+            groups = [(o, tracked_pages[owner_ids == o]) for o in lifecycle.distinct(owner_ids).tolist()]
+        for owner_id, owned in groups:
             owner = self.ledger.owner_name(owner_id)
             if owner is not None:
-                self._release(owner, tracked_pages[owner_ids == owner_id], mode)
+                self._release(owner, owned, mode)
+        if self.ledger.quarantined_count() == 0:
+            return None
         held = self.states[pages] == QUARANTINED
         return held if held.any() else None
 
@@ -210,10 +215,7 @@ class DecodeNode:
             self._forget(owner)
 
     def _all_free(self, owner: str) -> bool:
-        transfer = self.transfers.get(owner)
-        if transfer is None:
-            return False
-        return bool((self.states[transfer.pages] == FREE).all())
+        return owner in self.transfers and not self.ledger.holds_pages(owner)
 
     def _record_quarantine(self, owner: str, pages: list[int], mode: Mode) -> None:
         transfer = self.transfers.get(owner)
@@ -338,7 +340,7 @@ class PrefillNode:
         if not rooms.any():
             return None
         keep = np.zeros(pages.shape, dtype=bool)
-        for room in np.unique(rooms[rooms != 0]).tolist():
+        for room in lifecycle.distinct(rooms[rooms != 0]).tolist():
             mine = rooms == room
             if self.settled(room):
                 self._settle(room)
@@ -519,7 +521,7 @@ def _send_metadata(original: Func) -> Func:
         result = original(self, kv_indices, *args, **kwargs)
         if getattr(self, "bootstrap_infos", None) is None:
             return result  # nothing was published: no writer for these pages
-        pages = np.unique(np.asarray(kv_indices, dtype=np.int64))
+        pages = lifecycle.distinct(np.asarray(kv_indices, dtype=np.int64))
         decision = node.begin(int(self.bootstrap_room), str(self.bootstrap_addr), len(self.bootstrap_infos),
                               pages, self)
         if events.record(decision, RUNTIME.config.lifecycle, room=self.bootstrap_room):
@@ -575,11 +577,11 @@ def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Tr
     if pool_idx is None or length <= 0:
         return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
     rows = scheduler.req_to_token_pool.req_to_token[pool_idx, :length]
-    pages = np.unique(_pages_of(rows, node.page_size))
+    pages = lifecycle.distinct(_pages_of(rows, node.page_size))
     prefix = getattr(req, "prefix_indices", None)
     prefix_pages: list[int] = []
     if prefix is not None and len(prefix) > 0:
-        prefix_pages = np.unique(_pages_of(prefix, node.page_size)).tolist()
+        prefix_pages = lifecycle.distinct(_pages_of(prefix, node.page_size)).tolist()
     if not prefix_pages and node.ledger.all_owned_written(transfer.owner, transfer.generation, pages):
         return allow(page_tags.GUARD, rid=str(req.rid), pages=int(pages.size))
     return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation, pages.tolist(),

@@ -40,6 +40,10 @@ class PageState(IntEnum):
     QUARANTINED = 4
 
 
+# plain ints for the numpy hot paths (an IntEnum member costs an attribute lookup and a conversion per use)
+_FREE, _RESERVED, _WRITING, _WRITTEN, _QUARANTINED = (int(s) for s in PageState)
+
+
 class LedgerError(RuntimeError):
     """A call that would break the ledger's invariant (e.g. reserving a page that is not free)."""
 
@@ -74,6 +78,7 @@ class PageLedger:
         self._quarantine: dict[int, list[int]] = {}
         self._quarantined = 0
         self._source_holds: dict[str, list[int]] = {}
+        self._views: tuple[Any, Any, Any] | None = None
 
     # ---- reading
     def state(self, page: int) -> PageState:
@@ -92,6 +97,14 @@ class PageLedger:
         """The page-state column itself (read it, never write it): lets a host scan many pages at once, e.g.
         ``numpy.frombuffer(ledger.state_column(), dtype=numpy.int8)``. Values are :class:`PageState`."""
         return self._state
+
+    def holds_pages(self, owner: str) -> bool:
+        """``owner`` still has pages in the ledger (reserved, written or quarantined)."""
+        return owner in self._owner_ids
+
+    def state_array(self) -> Any:
+        """The page-state column as a numpy int8 view (read it, never write it)."""
+        return self._np_columns()[0]
 
     def quarantined_owners(self) -> list[str]:
         """Owners that still have pages in quarantine."""
@@ -174,16 +187,21 @@ class PageLedger:
         return allow(GUARD, **fields)
 
     # ---- bulk variants: the same rules over a numpy index array, for a host's hot path (numpy imported lazily)
-    def reserve_bulk(self, owner: str, pages: Any) -> int:
-        """:meth:`reserve` over an int64 numpy array of pages, in O(pages) vectorised work."""
+    def reserve_bulk(self, owner: str, pages: Any, initial: PageState = PageState.RESERVED) -> int:
+        """:meth:`reserve` over an int64 numpy array of pages, in O(pages) vectorised work. ``initial=WRITING``
+        reserves and hands the pages to the writer in one pass (reserve + :meth:`begin_write`)."""
+        if initial not in (PageState.RESERVED, PageState.WRITING):
+            raise ValueError(f"a reservation starts RESERVED or WRITING, not {initial.name}")
         states, owners, generations = self._np_columns()
-        if pages.size and (states[pages] != PageState.FREE).any():
-            bad = int(pages[states[pages] != PageState.FREE][0])
-            raise LedgerError(f"page {bad} is {self.state(bad).name} (owner {self.owner(bad)}), not FREE")
+        if pages.size:
+            not_free = states[pages] != _FREE
+            if not_free.any():
+                bad = int(pages[not_free][0])
+                raise LedgerError(f"page {bad} is {self.state(bad).name} (owner {self.owner(bad)}), not FREE")
         generation = self._next_generation
         self._next_generation += 1
         owner_id = self._intern(owner)
-        states[pages] = PageState.RESERVED
+        states[pages] = int(initial)
         owners[pages] = owner_id
         generations[pages] = generation
         self._pages_held[owner_id] += int(pages.size)
@@ -192,35 +210,40 @@ class PageLedger:
     def move_bulk(self, owner: str, pages: Any, target: PageState) -> Any:
         """:meth:`begin_write` (target WRITING) / :meth:`finish_write` (target WRITTEN) over a numpy array;
         returns the refused pages (a numpy array)."""
-        states, owners, _ = self._np_columns()
-        before = PageState.RESERVED if target == PageState.WRITING else PageState.WRITING
         owner_id = self._owner_ids.get(owner, NO_OWNER)
-        st = states[pages]
-        ok = (owners[pages] == owner_id) & ((st == before) | (st == target))
         if owner_id == NO_OWNER:
-            ok[:] = False
-        states[pages[ok]] = target
+            return pages
+        states, owners, _ = self._np_columns()
+        goal = int(target)
+        before = _RESERVED if goal == _WRITING else _WRITING
+        st = states[pages]
+        ok = (owners[pages] == owner_id) & ((st == before) | (st == goal))
+        if ok.all():
+            states[pages] = goal
+            return pages[:0]
+        states[pages[ok]] = goal
         return pages[~ok]
 
     def release_bulk(self, owner: str, pages: Any, writer_drained: bool) -> ReleaseOutcome:
         """:meth:`release` over a numpy array of pages (duplicates count once)."""
-        import numpy as np
-
-        pages = np.unique(pages)
+        pages = distinct(pages)
         states, owners, _ = self._np_columns()
         owner_id = self._owner_ids.get(owner, NO_OWNER)
         if owner_id == NO_OWNER:
             return ReleaseOutcome([], [], pages.tolist())
         st = states[pages]
-        mine = (owners[pages] == owner_id) & (st != PageState.FREE) & (st != PageState.QUARANTINED)
-        held = mine & (st == PageState.WRITING) if not writer_drained else np.zeros(pages.shape, dtype=bool)
-        to_quarantine, to_free = pages[held], pages[mine & ~held]
+        mine = (owners[pages] == owner_id) & (st != _FREE) & (st != _QUARANTINED)
+        if writer_drained:
+            to_quarantine, to_free = pages[:0], pages[mine]
+        else:
+            held = mine & (st == _WRITING)
+            to_quarantine, to_free = pages[held], pages[mine & ~held]
         if to_quarantine.size:
-            states[to_quarantine] = PageState.QUARANTINED
+            states[to_quarantine] = _QUARANTINED
             self._quarantine.setdefault(owner_id, []).extend(to_quarantine.tolist())
             self._quarantined += int(to_quarantine.size)
         if to_free.size:
-            states[to_free] = PageState.FREE
+            states[to_free] = _FREE
             owners[to_free] = NO_OWNER
             self._pages_held[owner_id] -= int(to_free.size)
             if self._pages_held[owner_id] == 0 and owner_id not in self._quarantine:
@@ -234,7 +257,7 @@ class PageLedger:
         owner_id = self._owner_ids.get(owner)
         return owner_id is not None and bool(
             (owners[pages] == owner_id).all() and (generations[pages] == generation).all()
-            and (states[pages] == PageState.WRITTEN).all()
+            and (states[pages] == _WRITTEN).all()
         )
 
     def owner_ids_of(self, pages: Any) -> Any:
@@ -245,10 +268,14 @@ class PageLedger:
         return self._owner_names.get(int(owner_id))
 
     def _np_columns(self) -> tuple[Any, Any, Any]:
-        import numpy as np
+        """numpy views of the three columns (made once: the columns are never resized, only replaced by
+        :meth:`restore`, which builds a new ledger)."""
+        if self._views is None:
+            import numpy as np
 
-        return (np.frombuffer(self._state, dtype=np.int8), np.frombuffer(self._owner, dtype=np.int64),
-                np.frombuffer(self._generation, dtype=np.int64))
+            self._views = (np.frombuffer(self._state, dtype=np.int8), np.frombuffer(self._owner, dtype=np.int64),
+                           np.frombuffer(self._generation, dtype=np.int64))
+        return self._views
 
     # ---- prefill side: source pages
     def hold_source(self, owner: str, pages: Iterable[int]) -> None:
@@ -276,6 +303,7 @@ class PageLedger:
         ledger = cls(len(owners))
         ledger._state = array("b", states)
         ledger._generation = array("q", generations)
+        ledger._views = None
         for page, owner in enumerate(owners):
             if owner is None:
                 continue
@@ -318,6 +346,20 @@ class PageLedger:
         if self._pages_held[owner_id] == 0 and owner_id not in self._quarantine:
             del self._pages_held[owner_id]
             del self._owner_ids[self._owner_names.pop(owner_id)]
+
+
+def distinct(pages: Any) -> Any:
+    """The distinct values of an int numpy array, sorted (``numpy.unique`` without its per-call overhead, which
+    dominates for the few hundred pages of one request)."""
+    import numpy as np
+
+    if pages.size < 2:
+        return pages
+    ordered = np.sort(pages)
+    first = np.empty(ordered.size, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered if first.all() else ordered[first]
 
 
 def default_quarantine_cap(num_pages: int) -> int:
