@@ -13,6 +13,12 @@ latency medians and minima and the ratios ``hardened / vanilla`` and ``hardened 
 alone). Goal (issue 7): the per-request overhead of the digest <= 1.02x. ``--passes 2`` runs the variants
 twice, in reverse order the second time, so slow drift shows up as a difference between passes.
 
+End-to-end medians of separate server pairs differ by a few percent from pair to pair on this machine, more
+than the digest costs. So the hardened servers also report the time the digest itself added inside them
+(``/server_info``: prefill's digest + publish, decode's fetch + recompute + compare, per request), and the
+script reports ``ratio_in_server`` = hardened median / (hardened median - digest time per request): the
+same ratio, with the noise of separate pairs taken out.
+
     python3 scripts/bench_digest_pd.py --pin 0.5.19 --json
 
 Run it on a quiet machine: with other servers running, the medians carry their noise.
@@ -81,8 +87,18 @@ def measure_one(pair: PDPair, name: str, args: argparse.Namespace) -> list[float
     return times
 
 
-def measure(args: argparse.Namespace, log_root: Path) -> dict[str, list[float]]:
+def digest_time(pair: PDPair) -> dict[str, dict[str, float]]:
+    """What the digest cost inside the hardened servers: ``{"publish": {...}, "verify": {...}}``."""
+    found: dict[str, dict[str, float]] = {}
+    for server in (pair.prefill, pair.decode):
+        for state in server.server_info().get("internal_states") or []:
+            found.update(((state or {}).get("sglang_harden") or {}).get("digest_time") or {})
+    return found
+
+
+def measure(args: argparse.Namespace, log_root: Path) -> tuple[dict[str, list[float]], list[dict]]:
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    in_server: list[dict] = []
     order = list(VARIANTS)
     for n in range(args.passes):
         for variant in order if n % 2 == 0 else order[::-1]:
@@ -90,14 +106,30 @@ def measure(args: argparse.Namespace, log_root: Path) -> dict[str, list[float]]:
             pair = start(args.pin, args.backend, variant, log_root / f"pass{n + 1}")
             try:
                 times[variant] += measure_one(pair, variant, args)
+                if variant == "hardened":
+                    in_server.append(digest_time(pair))
             finally:
                 pair.stop()
-    return times
+    return times, in_server
 
 
-def report(times: dict[str, list[float]], args: argparse.Namespace) -> dict[str, object]:
+def added_per_request_s(in_server: list[dict]) -> float:
+    """Mean digest time per request (prefill publish + decode verify), over every hardened pass."""
+    total = count = 0.0
+    for stats in in_server:
+        for what in ("publish", "verify"):
+            if what not in stats:
+                raise RuntimeError(f"hardened servers reported no digest {what} time: {stats}")
+        total += sum(stats[w]["mean_us"] * stats[w]["count"] for w in ("publish", "verify")) / 1e6
+        count += stats["verify"]["count"]
+    return total / count
+
+
+def report(measured: tuple[dict[str, list[float]], list[dict]], args: argparse.Namespace) -> dict[str, object]:
+    times, in_server = measured
     med = {name: statistics.median(t) for name, t in times.items()}
     low = {name: min(t) for name, t in times.items()}
+    added = added_per_request_s(in_server)
     return {
         "pin": args.pin,
         "backend": args.backend,
@@ -115,6 +147,9 @@ def report(times: dict[str, list[float]], args: argparse.Namespace) -> dict[str,
             "hardened/vanilla": round(low["hardened"] / low["vanilla"], 4),
             "hardened/no_digest": round(low["hardened"] / low["no_digest"], 4),
         },
+        "digest_in_server": in_server,
+        "digest_us_per_request": round(added * 1e6, 1),
+        "ratio_in_server": round(med["hardened"] / (med["hardened"] - added), 4),
     }
 
 

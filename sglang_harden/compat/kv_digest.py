@@ -15,6 +15,8 @@ Family differences (how a ``Req`` names its pool row and sent range, how decode 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,31 @@ FETCH_WAIT_S = 2.0
 AGREE_TIMEOUT_S = 10.0
 
 
+class DigestTimer:
+    """Time the digest adds to requests in this process (prefill: digest + publish; decode: fetch, recompute,
+    compare, agree), reported on ``/server_info`` so a benchmark can put it next to request latency."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[str, list[float]] = {}
+
+    def add(self, what: str, seconds: float) -> None:
+        with self._lock:
+            count, total, worst = self._stats.get(what, (0, 0.0, 0.0))
+            self._stats[what] = [count + 1, total + seconds, max(worst, seconds)]
+
+    def report(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {
+                what: {"count": int(c), "mean_us": round(t / c * 1e6, 1), "max_us": round(w * 1e6, 1)}
+                for what, (c, t, w) in self._stats.items()
+                if c
+            }
+
+
+TIMER = DigestTimer()
+
+
 @dataclass(frozen=True)
 class DigestReader:
     """Per-family access: a request's row in ``req_to_token``, the token range prefill sends on its last
@@ -50,18 +77,38 @@ class DigestReader:
 # ---------------------------------------------------------------------------------------------- layout
 
 
-def _tp_coordinates(scheduler: Any) -> tuple[int, int]:
-    rank = getattr(scheduler, "attn_tp_rank", None)
-    size = getattr(scheduler, "attn_tp_size", None)
-    if rank is None or size is None:
-        rank, size = getattr(scheduler, "tp_rank", 0), getattr(scheduler, "tp_size", 1)
-    return int(rank), int(size)
+def _tp_coordinates(scheduler: Any) -> tuple[int, int] | None:
+    """This scheduler's (attention TP rank, attention TP size), from where its pin keeps them: the scheduler
+    itself (older pins), its ``ps`` ParallelState (0.5.19, 0.5.20) or ``runtime_context.get_parallel()``
+    (0.5.21+). ``None`` when none of them says."""
+    for holder in (scheduler, getattr(scheduler, "ps", None), _parallel_context()):
+        if holder is None:
+            continue
+        try:
+            rank, size = getattr(holder, "attn_tp_rank", None), getattr(holder, "attn_tp_size", None)
+        except Exception:  # noqa: BLE001 - a context that cannot answer is one that does not say
+            continue
+        if isinstance(rank, int) and isinstance(size, int) and 0 <= rank < size:
+            return rank, size
+    return None
+
+
+def _parallel_context() -> Any:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        return None
+    try:
+        return get_parallel()
+    except Exception:  # noqa: BLE001 - not initialised in this process
+        return None
 
 
 def pool_layout(scheduler: Any) -> tuple[KVLayout | None, list[Any], list[Any] | None, str]:
     """This rank's KV layout and buffers, or ``(None, [], None, reason)`` when the pool is not digestible."""
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    rank, size = _tp_coordinates(scheduler)
+    coordinates = _tp_coordinates(scheduler)
+    rank, size = coordinates or (0, 1)
     if getattr(pool, "use_hnd", False):
         return None, [], None, "KV pool uses the HND layout"
     if getattr(pool, "kv_buffer", None) is not None and getattr(pool, "k_buffer", None) is None:
@@ -74,6 +121,8 @@ def pool_layout(scheduler: Any) -> tuple[KVLayout | None, list[Any], list[Any] |
             return None, [], None, "K and V rows differ in width"
         halves, heads = 2, int(buffers[0].shape[1])
         total = int(scheduler.model_config.get_total_num_kv_heads())
+        if coordinates is None and heads != total:
+            return None, [], None, "this rank holds a share of the KV heads but its attention TP rank is unknown"
         replicated = total < size
         start = rank * total // size if replicated else rank * heads
     first = buffers[0]
@@ -102,7 +151,7 @@ def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDi
     if layout is None:
         return None, reason
     slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
-    rank, _ = _tp_coordinates(scheduler)
+    rank = (_tp_coordinates(scheduler) or (0, 1))[0]
     return shard_digest(k_buffers, v_buffers, slots, layout, start_token=start, rank=rank), ""
 
 
@@ -116,7 +165,9 @@ def publish_sent_digest(reader: DigestReader) -> Callable[[Func], Func]:
     def make(original: Func) -> Func:
         def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
             if last_chunk and RUNTIME.config.checksum is not Mode.OFF and RUNTIME.digest_publisher is not None:
+                began = time.perf_counter()
                 _publish(self, req, reader, end_idx)
+                TIMER.add("publish", time.perf_counter() - began)
             return original(self, req, last_chunk, end_idx)
 
         return send_kv_chunk
@@ -154,7 +205,9 @@ def verify_before_commit(reader: DigestReader) -> Callable[[Func], Func]:
             req = decode_req.req
             if mode is Mode.OFF or reader.is_fake_transfer(req):
                 return original(self, decode_req)
+            began = time.perf_counter()
             decision = agree_on_group(self, _local_decision(self, decode_req, reader), str(req.rid))
+            TIMER.add("verify", time.perf_counter() - began)
             if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
                 reader.abort_transferred(self, decode_req, decision)
                 return None

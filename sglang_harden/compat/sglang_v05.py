@@ -180,8 +180,8 @@ def _scheduler_started(original: Func) -> Func:
     return init
 
 
-def _lifecycle_report() -> dict[str, Any]:
-    return {"lifecycle": lifecycle_v05.node_report()}
+def _family_report() -> dict[str, Any]:
+    return {"lifecycle": lifecycle_v05.node_report(), "digest_time": kv_digest.TIMER.report()}
 
 
 def _needed_here(hook: Hook, role: str, backend: str) -> bool:
@@ -246,7 +246,7 @@ HOOKS: list[Hook] = [
          tokenization_refusal),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"),
-         report_state(_lifecycle_report)),
+         report_state(_family_report)),
     *lifecycle_v05.HOOKS,
 ]
 

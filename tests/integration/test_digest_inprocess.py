@@ -41,8 +41,7 @@ def _scheduler(pool: Any, slots: list[int], rank: int = 0, size: int = 1) -> Any
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool),
         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
         model_config=SimpleNamespace(get_total_num_kv_heads=lambda: HEADS),
-        tp_rank=rank,
-        tp_size=size,
+        ps=SimpleNamespace(attn_tp_rank=rank, attn_tp_size=size),  # where 0.5.19 and 0.5.20 keep them
     )
 
 
@@ -81,6 +80,29 @@ def test_real_pool_layout_is_read() -> None:
     assert (layout.dtype, layout.head_dim, layout.itemsize, layout.num_layers) == ("bfloat16", DIM, 2, LAYERS)
     assert (layout.kv_halves, layout.total_kv_heads, layout.heads) == (2, HEADS, range(0, HEADS))
     assert len(k) == len(v or []) == LAYERS
+
+
+def test_attention_tp_position_is_read_where_the_pin_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank that mislabels its heads compares them with the wrong prefill heads (a false abort found
+    on a real --tp 2 decode): the position comes from the scheduler, its ``ps`` or ``get_parallel()``, and a
+    rank that holds a share of the heads without saying where is not comparable, never guessed as rank 0."""
+    pool = _pool(HEADS // 2)
+    plain = SimpleNamespace(attn_tp_rank=1, attn_tp_size=2)
+    assert kv_digest._tp_coordinates(SimpleNamespace(ps=plain)) == (1, 2)
+    assert kv_digest._tp_coordinates(plain) == (1, 2)
+    layout = kv_digest.pool_layout(_scheduler(pool, [], rank=1, size=2))[0]
+    assert layout is not None and list(layout.heads) == list(range(HEADS // 2, HEADS))
+    monkeypatch.setattr(kv_digest, "_parallel_context", lambda: None)  # as in a process that never set it up
+    unknown = _scheduler(pool, [], rank=1, size=2)
+    del unknown.ps
+    layout, _, _, reason = kv_digest.pool_layout(unknown)
+    assert layout is None and "attention TP rank is unknown" in reason
+    full = _scheduler(_pool(), [], rank=0, size=1)
+    del full.ps
+    layout = kv_digest.pool_layout(full)[0]  # all heads here: no position needed
+    assert layout is not None and list(layout.heads) == list(range(HEADS))
+    monkeypatch.setattr(kv_digest, "_parallel_context", lambda: plain)  # 0.5.21+: runtime_context
+    assert kv_digest._tp_coordinates(unknown) == (1, 2)
 
 
 def test_faithful_transfer_compares_equal() -> None:

@@ -109,3 +109,17 @@ def test_fetch_returns_at_once_when_prefill_does_not_publish() -> None:
         server.server.shutdown()
         assert got.shards == {} and words in got.reason
         assert time.monotonic() - start < 2.0
+
+
+def test_digest_timer_reports_count_mean_and_worst_per_phase() -> None:
+    from sglang_harden.compat.kv_digest import DigestTimer
+
+    timer = DigestTimer()
+    assert timer.report() == {}
+    for seconds in (0.001, 0.003):
+        timer.add("verify", seconds)
+    timer.add("publish", 0.0005)
+    assert timer.report() == {
+        "verify": {"count": 2, "mean_us": 2000.0, "max_us": 3000.0},
+        "publish": {"count": 1, "mean_us": 500.0, "max_us": 500.0},
+    }

@@ -5,6 +5,7 @@ Kinds:
 
 * ``flip:<room>`` (decode): right before decode commits the finished transfer of that bootstrap room, one bit of
   one received KV row (layer 0 K, the request's middle token) is flipped: a corrupted transfer.
+  ``flip@<rank>:<room>`` does it on that attention-TP rank of decode only (a mismatch one rank sees).
 * ``unwritten:<pages>`` (prefill): a KV send of exactly ``<pages>`` pages leaves out its last page (source and
   destination alike), so the transfer reports success and decode's last reserved page keeps whatever it held
   before: a reserved page the transfer never wrote, the incident's stale page.
@@ -51,12 +52,17 @@ def _flip_one_bit(queue: Any, req: Any) -> None:
     raw[0] ^= 1
 
 
-def _wrap_commit(original: Any) -> Any:
-    rooms = faults("flip")
+def _decode_rank(queue: Any) -> int:
+    from sglang_harden.compat.kv_digest import _tp_coordinates
 
+    return (_tp_coordinates(queue.scheduler) or (0, 1))[0]
+
+
+def _wrap_commit(original: Any) -> Any:
     @functools.wraps(original)
     def commit(self: Any, decode_req: Any) -> Any:
         room = getattr(decode_req.req, "bootstrap_room", None)
+        rooms = faults("flip") | faults(f"flip@{_decode_rank(self)}")
         if room is not None and int(room) in rooms:
             _flip_one_bit(self, decode_req.req)
         return original(self, decode_req)

@@ -1,0 +1,114 @@
+"""Checksum guard across tensor-parallel ranks on a real PD pair: prefill TP 1, decode ``--tp-size 2`` (CPU,
+one core per rank, ``SGLANG_CPU_OMP_THREADS_BIND=0|1``), tiny model with 2 KV heads, so each decode rank holds
+one head and compares it with the matching head of prefill's single shard.
+
+- A clean request is verified on both ranks and answered (before the attention-TP rank was read where each pin
+  keeps it, rank 1 took itself for rank 0, compared the wrong head and aborted every request: a false abort).
+- One bit flipped on decode rank 1 only (test shim ``flip@1:<room>``): vanilla answers 200; hardened aborts
+  the request on both ranks (rank 0 saw nothing wrong itself) within a bound, naming rank 1.
+
+The pins are the CI pins, which read the rank from different places (0.5.19: the scheduler's ``ps``; 0.5.23:
+``runtime_context.get_parallel()``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.client import greedy_body
+from sglang_harden.testbed.envs import ci_pins
+from sglang_harden.testbed.incident import tenant_a_prompt
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair, Server
+
+pytestmark = pytest.mark.e2e
+
+FLIP_ROOM = 7_100_001
+CLEAN_ROOM = 7_100_011
+WAITING_TIMEOUT_S = 60
+ABORT_BOUND_S = 15.0
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"flip@1:{FLIP_ROOM}",
+             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}
+DIGEST_ONLY = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log", "SGLANG_HARDEN_COVERAGE": "off",
+               "SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "log"}
+DECODE_TP2 = ["--tp-size", "2"]
+DECODE_TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def _say(msg: str) -> None:
+    print(f"[digest-tp2-e2e] {msg}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="module", params=ci_pins())
+def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
+    require_pin(str(request.param))
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def pairs(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PDPair]]:
+    started: dict[str, PDPair] = {}
+    try:
+        for kind in ("vanilla", "hardened"):
+            log_dir: Path = tmp_path_factory.mktemp(f"digest-tp2-{pin}-{kind}")
+            _say(f"{pin}: starting {kind} pair, decode --tp-size 2 (logs {log_dir})")
+            started[kind] = _start(pin, kind == "hardened", log_dir)
+        yield started
+    finally:
+        for pair in started.values():
+            pair.stop()
+
+
+def _start(pin: str, hardened: bool, log_dir: Path) -> PDPair:
+    pair = PDPair(
+        pin,
+        prefill_max_total_tokens=2048,
+        decode_max_total_tokens=2048,
+        context_length=1024,
+        decode_flags=DECODE_TP2,
+        env={**FAULT_ENV, **(DIGEST_ONLY if hardened else {})},
+        decode_env=DECODE_TP2_ENV,
+        launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
+        log_dir=log_dir,
+        progress=True,
+    )
+    return pair.start()
+
+
+def _decisions(server: Server) -> dict[str, int]:
+    states = server.server_info().get("internal_states") or [{}]
+    return dict((states[0].get("sglang_harden") or {}).get("decisions", {}))
+
+
+def _body(tag: str) -> dict[str, Any]:
+    return greedy_body(tenant_a_prompt(11, 100), 4, rid=f"digest-tp2-{tag}")
+
+
+def _run(pair: PDPair, tag: str, room: int) -> Any:
+    return pair.generate(_body(tag), room=room, timeout=WAITING_TIMEOUT_S + 60)
+
+
+def test_clean_request_is_verified_on_both_ranks(pairs: dict[str, PDPair]) -> None:
+    decisions_before = _decisions(pairs["hardened"].decode)
+    h = _run(pairs["hardened"], "clean", CLEAN_ROOM)
+    assert h.decode.ok and h.decode.output_ids, h.decode.summary()
+    after = _decisions(pairs["hardened"].decode)
+    assert after.get("checksum:allow", 0) > decisions_before.get("checksum:allow", 0), after
+    assert not after.get("checksum:abort") and not after.get("checksum:skip"), after
+
+
+def test_mismatch_on_one_rank_aborts_on_both_within_a_bound(pairs: dict[str, PDPair]) -> None:
+    v = _run(pairs["vanilla"], "flip-vanilla", FLIP_ROOM)
+    assert v.decode.ok and v.decode.output_ids, ("vanilla no longer serves a flipped bit", v.decode.summary())
+    before = _decisions(pairs["hardened"].decode).get("checksum:abort", 0)
+    h = _run(pairs["hardened"], "flip-hardened", FLIP_ROOM)
+    assert h.decode.status >= 400 and not h.decode.output_ids, h.decode.summary()
+    assert "aborted on all ranks because rank(s) [1]" in h.decode.error_message(), h.decode.summary()
+    assert h.decode.elapsed_s < ABORT_BOUND_S, h.decode.summary()
+    assert _decisions(pairs["hardened"].decode).get("checksum:abort", 0) == before + 1
+    after = _run(pairs["hardened"], "after-flip", CLEAN_ROOM + 1)  # the group is not wedged by the abort
+    assert after.decode.ok and after.decode.output_ids, after.decode.summary()
