@@ -285,6 +285,11 @@ class Server(_Process):
                 return body
         raise self._fail("no server info endpoint answered")
 
+    def harden_decisions(self) -> dict[str, int]:
+        """The first scheduler's sglang-harden decision counts, ``{"guard:decision": n}`` (empty on vanilla)."""
+        states = self.server_info().get("internal_states") or [{}]
+        return dict(((states[0] or {}).get("sglang_harden") or {}).get("decisions", {}))
+
     def pool(self) -> dict[str, Any]:
         """KV allocator occupancy of the first scheduler (testbed pool reporter): total, available, evictable,
         full; on a hardened server also ``harden_lifecycle`` (its page-ledger report)."""

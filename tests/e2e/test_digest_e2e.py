@@ -31,7 +31,7 @@ from sglang_harden.compat import SUPPORTED_PINS
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import IncidentSetup, tenant_a_prompt, tenant_b_prompt
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair, Server
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
 
 pytestmark = pytest.mark.e2e
 
@@ -103,10 +103,6 @@ def _start(pin: str, backend: str, hardened: bool, log_dir: Path) -> PDPair:
     return pair.start()
 
 
-def _decisions(server: Server) -> dict[str, int]:
-    states = server.server_info().get("internal_states") or [{}]
-    return dict((states[0].get("sglang_harden") or {}).get("decisions", {}))
-
 
 def _body(tag: str, seed: int = 3, length: int = 120) -> dict[str, Any]:
     return greedy_body(tenant_a_prompt(seed, length), 8, rid=f"digest-{tag}")
@@ -122,12 +118,12 @@ def _assert_vanilla_serves(pairs: dict[str, PDPair], body: dict[str, Any], room:
 
 
 def _assert_digest_aborts(pairs: dict[str, PDPair], body: dict[str, Any], room: int, message: str) -> None:
-    before = _decisions(pairs["hardened"].decode).get("checksum:abort", 0)
+    before = pairs["hardened"].decode.harden_decisions().get("checksum:abort", 0)
     h = _run(pairs["hardened"], body, room)
     assert h.decode.status >= 400 and not h.decode.output_ids, h.decode.summary()
     assert message in h.decode.error_message(), h.decode.summary()
     assert h.decode.elapsed_s < ABORT_BOUND_S, h.decode.summary()
-    assert _decisions(pairs["hardened"].decode).get("checksum:abort", 0) == before + 1
+    assert pairs["hardened"].decode.harden_decisions().get("checksum:abort", 0) == before + 1
 
 
 def test_clean_requests_are_verified_and_unchanged(pairs: dict[str, PDPair]) -> None:
@@ -137,7 +133,7 @@ def test_clean_requests_are_verified_and_unchanged(pairs: dict[str, PDPair]) -> 
         assert all(r.decode.ok for r in results), [r.decode.summary() for r in results]
         outputs[kind] = [r.decode.output_ids for r in results]
     assert outputs["hardened"] == outputs["vanilla"]
-    decisions = _decisions(pairs["hardened"].decode)
+    decisions = pairs["hardened"].decode.harden_decisions()
     assert decisions.get("checksum:allow", 0) >= len(CLEAN_ROOMS), decisions
     assert decisions.get("canary:allow", 0) >= len(CLEAN_ROOMS), decisions
     assert decisions.get("checksum:skip", 0) == 0, decisions
@@ -153,9 +149,9 @@ def test_flipped_bit_is_caught(pairs: dict[str, PDPair]) -> None:
 
 def test_unwritten_page_is_caught(pairs: dict[str, PDPair]) -> None:
     _assert_vanilla_serves(pairs, _body("unwritten-v", length=UNWRITTEN_LEN), UNWRITTEN_ROOM)
-    canary_before = _decisions(pairs["hardened"].decode).get("canary:abort_logged", 0)
+    canary_before = pairs["hardened"].decode.harden_decisions().get("canary:abort_logged", 0)
     _assert_digest_aborts(pairs, _body("unwritten-h", length=UNWRITTEN_LEN), UNWRITTEN_ROOM, "KV digest mismatch")
-    assert _decisions(pairs["hardened"].decode).get("canary:abort_logged", 0) == canary_before + 1
+    assert pairs["hardened"].decode.harden_decisions().get("canary:abort_logged", 0) == canary_before + 1
 
 
 def test_short_send_is_caught(pairs: dict[str, PDPair]) -> None:

@@ -23,7 +23,7 @@ import pytest
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import ci_pins
 from sglang_harden.testbed.incident import tenant_a_prompt
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair, Server
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
 
 pytestmark = pytest.mark.e2e
 
@@ -79,10 +79,6 @@ def _start(pin: str, hardened: bool, log_dir: Path) -> PDPair:
     return pair.start()
 
 
-def _decisions(server: Server) -> dict[str, int]:
-    states = server.server_info().get("internal_states") or [{}]
-    return dict((states[0].get("sglang_harden") or {}).get("decisions", {}))
-
 
 def _body(tag: str) -> dict[str, Any]:
     return greedy_body(tenant_a_prompt(11, 100), 4, rid=f"digest-tp2-{tag}")
@@ -93,10 +89,10 @@ def _run(pair: PDPair, tag: str, room: int) -> Any:
 
 
 def test_clean_request_is_verified_on_both_ranks(pairs: dict[str, PDPair]) -> None:
-    decisions_before = _decisions(pairs["hardened"].decode)
+    decisions_before = pairs["hardened"].decode.harden_decisions()
     h = _run(pairs["hardened"], "clean", CLEAN_ROOM)
     assert h.decode.ok and h.decode.output_ids, h.decode.summary()
-    after = _decisions(pairs["hardened"].decode)
+    after = pairs["hardened"].decode.harden_decisions()
     assert after.get("checksum:allow", 0) > decisions_before.get("checksum:allow", 0), after
     assert not after.get("checksum:abort") and not after.get("checksum:skip"), after
 
@@ -104,11 +100,11 @@ def test_clean_request_is_verified_on_both_ranks(pairs: dict[str, PDPair]) -> No
 def test_mismatch_on_one_rank_aborts_on_both_within_a_bound(pairs: dict[str, PDPair]) -> None:
     v = _run(pairs["vanilla"], "flip-vanilla", FLIP_ROOM)
     assert v.decode.ok and v.decode.output_ids, ("vanilla no longer serves a flipped bit", v.decode.summary())
-    before = _decisions(pairs["hardened"].decode).get("checksum:abort", 0)
+    before = pairs["hardened"].decode.harden_decisions().get("checksum:abort", 0)
     h = _run(pairs["hardened"], "flip-hardened", FLIP_ROOM)
     assert h.decode.status >= 400 and not h.decode.output_ids, h.decode.summary()
     assert "aborted on all ranks because rank(s) [1]" in h.decode.error_message(), h.decode.summary()
     assert h.decode.elapsed_s < ABORT_BOUND_S, h.decode.summary()
-    assert _decisions(pairs["hardened"].decode).get("checksum:abort", 0) == before + 1
+    assert pairs["hardened"].decode.harden_decisions().get("checksum:abort", 0) == before + 1
     after = _run(pairs["hardened"], "after-flip", CLEAN_ROOM + 1)  # the group is not wedged by the abort
     assert after.decode.ok and after.decode.output_ids, after.decode.summary()
