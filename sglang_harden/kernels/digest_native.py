@@ -30,7 +30,6 @@ from sglang_harden.kernels.digest_spec import (
     LAYER_HALF_SHIFT,
     MASK64,
     KVLayout,
-    check_layout,
     finalize,
     multipliers,
 )
@@ -145,22 +144,16 @@ class NativeDigester:
     """Prepared native digest for one pool: buffer pointers, strides and multipliers are set up once."""
 
     def __init__(self, k_buffers: Sequence[Any], v_buffers: Sequence[Any] | None, layout: KVLayout) -> None:
-        from sglang_harden.kernels.digest_ref import layer_halves
-        from sglang_harden.kernels.digest_torch import words_torch
+        from sglang_harden.kernels.digest_torch import word_views
 
         lib = native_library()
         if lib is None:
             raise RuntimeError(f"native digest unavailable: {_loaded['why']}")
-        check_layout(layout)
-        halves = [words_torch(b, layout) for b in layer_halves(k_buffers, v_buffers, layout)]
+        halves, self.stride_slot, self.stride_head = word_views(k_buffers, v_buffers, layout)
         if any(h.device.type != "cpu" for h in halves):
             raise ValueError("the native digest reads CPU tensors only")
-        strides = {(h.stride(0), h.stride(1)) for h in halves}
-        if len(strides) != 1:
-            raise ValueError(f"layer buffers must share one row layout, got strides {strides}")
         self._fn = lib.sgh_digest_sums
         self.layout = layout
-        self.stride_slot, self.stride_head = strides.pop()
         self.pool_rows = halves[0].shape[0]
         self._halves = halves  # keeps the storage behind the raw pointers alive
         self.pointers = tuple(h.data_ptr() for h in halves)

@@ -54,6 +54,20 @@ def words_torch(buf: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return buf.view(torch.uint8).view(torch.int32)
 
 
+def word_views(
+    k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor] | None, layout: KVLayout
+) -> tuple[list[torch.Tensor], int, int]:
+    """The layer halves as int32 word views (:func:`words_torch`), with the slot and head strides (in words)
+    that all of them share; the kernels that walk raw pointers need one row layout for every buffer."""
+    check_layout(layout)
+    halves = [words_torch(b, layout) for b in layer_halves(k_buffers, v_buffers, layout)]
+    strides = {(h.stride(0), h.stride(1)) for h in halves}
+    if len(strides) != 1 or halves[0].stride(2) != 1:
+        raise ValueError(f"layer buffers must share one row layout, got strides {strides}")
+    stride_slot, stride_head = strides.pop()
+    return halves, stride_slot, stride_head
+
+
 def row_keys_torch(num_halves: int, n_tokens: int, start_token: int, device: torch.device) -> torch.Tensor:
     tokens = torch.arange(start_token, start_token + n_tokens, dtype=torch.int64, device=device)
     lh = torch.arange(num_halves, dtype=torch.int64, device=device) << LAYER_HALF_SHIFT

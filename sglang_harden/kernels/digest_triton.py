@@ -21,12 +21,11 @@ from sglang_harden.kernels.digest_spec import (
     LAYER_HALF_SHIFT,
     MASK64,
     KVLayout,
-    check_layout,
     finalize,
     multipliers,
     to_signed64,
 )
-from sglang_harden.kernels.digest_torch import words_torch
+from sglang_harden.kernels.digest_torch import word_views
 
 
 @triton.jit
@@ -92,15 +91,8 @@ class TritonDigester:
         layout: KVLayout,
         block_t: int = 32,
     ) -> None:
-        from sglang_harden.kernels.digest_ref import layer_halves
-
-        check_layout(layout)
         self.layout = layout
-        halves = [words_torch(b, layout) for b in layer_halves(k_buffers, v_buffers, layout)]
-        strides = {(h.stride(0), h.stride(1)) for h in halves}
-        if len(strides) != 1 or halves[0].stride(2) != 1:
-            raise ValueError(f"layer buffers must share one row layout, got strides {strides}")
-        self.stride_slot, self.stride_head = strides.pop()
+        halves, self.stride_slot, self.stride_head = word_views(k_buffers, v_buffers, layout)
         self.device = halves[0].device
         self._halves = halves  # keep the views (and their storage) alive while the table is in use
         self.table = torch.tensor([h.data_ptr() for h in halves], dtype=torch.int64, device=self.device)
