@@ -66,6 +66,9 @@ class HardenConfig:
     # write's lifetime (RDMA: QP timeout x retries). Until then prefill neither acks the drain nor frees sources.
     # 0 = never: such pages stay quarantined on decode until the sender is known gone.
     transfer_write_lifetime_s: int = 30
+    # How long decode waits at a commit for the digest of a prefill that publishes digests (its answer is
+    # normally there already: prefill posts before it sends). Past it the checksum guard refuses the request.
+    checksum_wait_ms: int = 5000
     bootstrap_secret: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 

@@ -7,18 +7,21 @@ through prefill's bootstrap server (the one decode already talks to), next to th
 - ``GET /sglang_harden/digests?room=R``     decode reads every rank's shard for the room, and whether this
                                             prefill publishes digests at all (``publishing``)
 
-Prefill posts from a background thread before the final KV send is issued; decode waits a bounded time at its
-commit for a digest that is not there yet. This module knows no SGLang names.
+Prefill posts synchronously, before the final KV send is issued, so a digest is on the board before decode can
+see the transfer finish; decode still waits a bounded time at its commit (an HTTP answer can be slow on a busy
+host) and, when a publishing prefill's digest does not arrive within it, reports that it timed out (the guard
+then fails closed). This module knows no SGLang names.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
-import queue
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable
@@ -97,37 +100,45 @@ def digests_payload(room: int, publishing: bool, board: DigestBoard | None = Non
 
 
 class DigestPublisher:
-    """Posts shard digests to the local bootstrap server from a background thread (never blocks a scheduler)."""
+    """Posts shard digests to the local bootstrap server on the caller's thread, over one kept-alive connection,
+    so a digest is on the board before the send it vouches for is issued. Returns whether the board took it."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, timeout_s: float = HTTP_TIMEOUT_S) -> None:
+        parsed = urllib.parse.urlsplit(base_url)
+        self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
         self._base_url = base_url.rstrip("/")
-        self._queue: queue.Queue[PublishedShard] = queue.Queue(maxsize=BOARD_CAPACITY)
-        threading.Thread(target=self._run, name="sglang-harden-digest-publisher", daemon=True).start()
+        self._timeout_s = timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
 
-    def publish(self, shard: PublishedShard) -> None:
-        try:
-            self._queue.put_nowait(shard)
-        except queue.Full:
-            logger.error("sglang-harden: digest publisher queue full; room %s not published", shard.room)
-
-    def _run(self) -> None:
-        while True:
-            self._post(self._queue.get())
-
-    def _post(self, shard: PublishedShard) -> None:
+    def publish(self, shard: PublishedShard) -> bool:
         body = json.dumps({"room": shard.room, "rank": shard.rank, "values": list(shard.values)}).encode()
-        for attempt in range(3):
-            try:
-                request = urllib.request.Request(
-                    self._base_url + DIGEST_PATH, data=body, method="PUT", headers={"Content-Type": "application/json"}
-                )
-                with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError) as exc:
-                logger.warning("sglang-harden: publishing the digest of room %s failed: %s", shard.room, exc)
-            time.sleep(0.1 * (attempt + 1))
-        logger.error("sglang-harden: gave up publishing the digest of room %s to %s", shard.room, self._base_url)
+        with self._lock:
+            for attempt in range(2):  # a kept-alive connection the server closed gets one fresh retry
+                try:
+                    return self._put(body, shard.room)
+                except (http.client.HTTPException, OSError) as exc:
+                    self._close()
+                    if attempt:
+                        logger.error("sglang-harden: publishing the digest of room %s to %s failed: %s",
+                                     shard.room, self._base_url, exc)
+        return False
+
+    def _put(self, body: bytes, room: int) -> bool:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+        self._conn.request("PUT", DIGEST_PATH, body=body, headers={"Content-Type": "application/json"})
+        response = self._conn.getresponse()
+        response.read()
+        if response.status != 200:
+            logger.error("sglang-harden: the bootstrap server refused the digest of room %s: HTTP %s",
+                         room, response.status)
+        return response.status == 200
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 @dataclass(frozen=True)
@@ -136,30 +147,42 @@ class Fetched:
 
     shards: dict[int, tuple[int, ...]]
     reason: str = ""
+    timed_out: bool = False  # the prefill publishes digests, but not enough arrived within the wait
 
 
 def fetch_digests(
     addr: str, room: int, wait_s: float, enough: Callable[[dict[int, tuple[int, ...]]], bool]
 ) -> Fetched:
     """The room's shards from prefill's bootstrap server at ``addr``, waiting up to ``wait_s`` until they are
-    ``enough`` (cover the heads the caller holds); returns at once when that prefill does not publish digests."""
+    ``enough`` (cover the heads the caller holds). Returns at once when that prefill does not publish digests;
+    a query that fails is retried until the wait is over, then reported as timed out."""
     deadline = time.monotonic() + wait_s
     url = f"http://{addr}{DIGESTS_PATH}?room={room}"
+    shards: dict[int, tuple[int, ...]] = {}
+    failure = ""
     while True:
+        left = deadline - time.monotonic()
         try:
-            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+            with urllib.request.urlopen(url, timeout=min(HTTP_TIMEOUT_S, max(left, 0.05))) as response:
                 data = json.loads(response.read(1 << 22))
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 return Fetched({}, "prefill's bootstrap server has no digest route (prefill not hardened)")
-            return Fetched({}, f"digest query to {addr} failed: HTTP {exc.code}")
+            data, failure = None, f"digest query to {addr} failed: HTTP {exc.code}"
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            return Fetched({}, f"digest query to {addr} failed: {exc}")
-        if not data.get("publishing", False):
-            return Fetched({}, "prefill does not publish digests (its checksum guard is off)")
-        shards = {int(rank): tuple(int(v) for v in values) for rank, values in data.get("shards", {}).items()}
-        if enough(shards):
-            return Fetched(shards)
+            data, failure = None, f"digest query to {addr} failed: {exc}"
+        if data is not None:
+            if not data.get("publishing", False):
+                return Fetched({}, "prefill does not publish digests (its checksum guard is off)")
+            shards = {int(rank): tuple(int(v) for v in values) for rank, values in data.get("shards", {}).items()}
+            if enough(shards):
+                return Fetched(shards)
+            failure = ""
         if time.monotonic() >= deadline:
-            return Fetched(shards, "" if shards else f"prefill published no digest for room {room} within {wait_s} s")
+            return Fetched(shards, failure or _missing(shards, room, wait_s), timed_out=True)
         time.sleep(WAIT_POLL_S)
+
+
+def _missing(shards: dict[int, tuple[int, ...]], room: int, wait_s: float) -> str:
+    what = "not every rank's digest" if shards else "no digest"
+    return f"prefill published {what} for room {room} within {wait_s} s"

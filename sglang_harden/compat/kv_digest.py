@@ -2,10 +2,12 @@
 
 Prefill, when a request's final chunk is about to be sent, digests the request's KV rows for exactly the
 token range it sends (``[decode's cached prefix, sent end)``) on each TP rank and posts the packed shard to its
-bootstrap server (:mod:`.digest_channel`). Decode, before committing a finished transfer, digests the rows at
-its own slots for ``[prefill's start, reserved length)``, compares per head (:func:`checksum.compare`), and
-when its TP group has more than one rank, agrees with the other ranks over the queue's gloo group within a
-bound (:func:`checksum.agree_across_ranks`). The decision is applied through the same abort as coverage.
+bootstrap server (:mod:`.digest_channel`) before the send is issued, or a notice saying why it has none.
+Decode, before committing a finished transfer, digests the rows at its own slots for ``[prefill's start,
+reserved length)``, compares per head (:func:`checksum.compare`), and when its TP group has more than one rank,
+agrees with the other ranks over the queue's gloo group within a bound (:func:`checksum.agree_across_ranks`).
+The decision is applied through the same abort as coverage. A publishing prefill whose digest does not arrive
+within ``checksum_wait_ms`` leaves nothing to verify against: decode refuses the request (fails closed).
 
 Family differences (how a ``Req`` names its pool row and sent range, how decode aborts) come in as a
 :class:`DigestReader`; this module itself touches only the KV pool (``k_buffer``/``v_buffer`` or MLA's
@@ -33,7 +35,6 @@ from sglang_harden.kernels.digest_spec import KVLayout, ShardDigest, check_layou
 logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
-FETCH_WAIT_S = 2.0
 AGREE_TIMEOUT_S = 10.0
 
 
@@ -160,7 +161,8 @@ def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDi
 
 def publish_sent_digest(reader: DigestReader) -> Callable[[Func], Func]:
     """``send_kv_chunk(req, last_chunk, end_idx)``: before the final chunk goes out, publish this rank's digest
-    of every row the request sends (digesting fails open to "not published": decode then skips, saying why)."""
+    of every row the request sends, or a notice of why there is none (decode skips an undigestible layout and
+    refuses a failed digest)."""
 
     def make(original: Func) -> Func:
         def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
@@ -179,17 +181,21 @@ def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> No
     room = getattr(req, "bootstrap_room", None)
     if room is None:
         return
+    code = checksum.NOTICE_NOT_DIGESTIBLE
     try:
         start, end = reader.sent_range(scheduler, req, end_idx)
         shard, reason = digest_rows(scheduler, reader.pool_row(req), start, end)
-    except Exception as exc:  # noqa: BLE001 - never break a send; decode sees no digest and says so
-        shard, reason = None, f"digest failed: {exc!r}"
+    except Exception as exc:  # noqa: BLE001 - never break a send; decode is told and refuses the request
+        shard, reason, code = None, f"digest failed: {exc!r}", checksum.NOTICE_FAILED
     if shard is None:
-        logger.warning("sglang-harden: no KV digest published for request %s: %s", req.rid, reason)
-        return
+        logger.warning("sglang-harden: no KV digest for request %s: %s", req.rid, reason)
+        rank = (_tp_coordinates(scheduler) or (0, 1))[0]
+        published = digest_channel.PublishedShard(int(room), rank, tuple(checksum.pack_notice(rank, code)))
+    else:
+        published = digest_channel.PublishedShard(int(room), shard.rank, tuple(checksum.pack_shard(shard)))
     publisher = RUNTIME.digest_publisher
     assert publisher is not None
-    publisher.publish(digest_channel.PublishedShard(int(room), shard.rank, tuple(checksum.pack_shard(shard))))
+    publisher.publish(published)
 
 
 # ----------------------------------------------------------------------------------------------- decode
@@ -224,8 +230,7 @@ def _local_decision(queue: Any, decode_req: Any, reader: DigestReader) -> Decisi
     try:
         return _compare_with_prefill(queue.scheduler, decode_req, reader)
     except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed, on this rank and so on all
-        reason = f"request {rid}: KV digest could not be verified ({exc!r}); refusing to decode unverified pages"
-        return Decision(checksum.GUARD, Verdict.ABORT, reason, checksum.ABORT_STATUS, {"rid": rid})
+        return _unverifiable(rid, repr(exc))
 
 
 def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader) -> Decision:
@@ -237,10 +242,17 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
     mine = set(layout.heads)
     addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
 
-    def covers_my_heads(shards: dict[int, tuple[int, ...]]) -> bool:
-        return mine <= {h for s in _unpacked(shards) for h in s.layout.heads}
+    def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
+        covered = {h for s in _unpacked(shards) for h in s.layout.heads}
+        return bool(_notices(shards)) or mine <= covered
 
-    fetched = digest_channel.fetch_digests(addr, int(req.bootstrap_room), FETCH_WAIT_S, covers_my_heads)
+    wait_s = RUNTIME.config.checksum_wait_ms / 1000
+    fetched = digest_channel.fetch_digests(addr, int(req.bootstrap_room), wait_s, decidable)
+    notices = _notices(fetched.shards)
+    if notices:
+        return _decide_on_notices(rid, notices)
+    if fetched.timed_out:
+        return _unverifiable(rid, fetched.reason)
     published = _unpacked(fetched.shards)
     if not published:
         return _not_comparable(rid, fetched.reason or "prefill published no digest")
@@ -249,6 +261,24 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
     if shard is None:
         return _not_comparable(rid, reason)
     return checksum.compare(published, shard, rid)
+
+
+def _notices(shards: dict[int, tuple[int, ...]]) -> dict[int, int]:
+    """Prefill ranks that said why they publish no digest for this room: ``{rank: code}``."""
+    found = (checksum.unpack_notice(values) for values in shards.values())
+    return {rank: code for rank, code in (n for n in found if n is not None)}
+
+
+def _decide_on_notices(rid: str, notices: dict[int, int]) -> Decision:
+    failed = sorted(rank for rank, code in notices.items() if code != checksum.NOTICE_NOT_DIGESTIBLE)
+    if failed:
+        return _unverifiable(rid, f"prefill rank(s) {failed} failed to digest the KV they sent (see their log)")
+    return _not_comparable(rid, f"prefill rank(s) {sorted(notices)} cannot digest their KV layout (see their log)")
+
+
+def _unverifiable(rid: str, reason: str) -> Decision:
+    message = f"request {rid}: KV digest could not be verified ({reason}); refusing to decode unverified pages"
+    return Decision(checksum.GUARD, Verdict.ABORT, message, checksum.ABORT_STATUS, {"rid": rid})
 
 
 def _not_comparable(rid: str, reason: str) -> Decision:

@@ -12,11 +12,15 @@ Three outcomes per rank (:func:`compare`):
 * ABORT - a head's digest differs from the one prefill published for it (flipped bit, stale or foreign
   page, page never written), or prefill vouched for a different token range than decode is about to read
   (short send). The decision names the heads and the prefill rank.
-* SKIP  - not comparable, with the reason logged: no digest published, a different layout signature (dtype,
+* SKIP  - not comparable, with the reason logged: prefill does not publish digests (not hardened, or its
+  checksum guard off) or told decode it cannot digest its KV layout, a different layout signature (dtype,
   head_dim, layer count, K/V halves, total KV heads), a head no prefill rank published, or replicas of a
   replicated head (MLA latent, TP wider than the KV heads) that disagree among themselves so the sender is
   ambiguous. A SKIP is never turned into an abort: this guard must not fail requests the bytes do not
   condemn.
+
+A prefill that publishes digests but whose digest for the room does not reach decode within the wait, or that
+says its digest failed, leaves the guard unable to decide: that is an ABORT (fail closed), not a SKIP.
 
 Agreement (:func:`agree`): the logical OR of "abort" over ranks, with a missing rank = abort. In the real
 integration each rank exchanges one small int per committing request over the group's CPU (gloo) group
@@ -64,6 +68,9 @@ _DTYPE_CODES: dict[str, int] = {
 }
 _WIRE_MAGIC = 0x5347_4844  # "SGHD"
 _WIRE_HEADER = 12
+_NOTICE_MAGIC = 0x5347_484E  # "SGHN": a prefill rank says why it publishes no digest for a room
+NOTICE_NOT_DIGESTIBLE = 1  # its KV layout is one the digest does not cover: not comparable
+NOTICE_FAILED = 2  # computing the digest raised: nothing vouches for the bytes
 
 
 # ---------------------------------------------------------------------------------------------- compare
@@ -341,6 +348,18 @@ def pack_shard(shard: ShardDigest) -> list[int]:
         shard.n_tokens | (shard.rank << 40),
     ]
     return header + [to_signed64(d) for d in shard.digests]
+
+
+def pack_notice(rank: int, code: int) -> list[int]:
+    """A prefill rank's "no digest for this room, because ``code``" (same channel as a packed shard)."""
+    return [(_NOTICE_MAGIC << 16) | SPEC_VERSION, code, rank]
+
+
+def unpack_notice(values: Sequence[int]) -> tuple[int, int] | None:
+    """``(rank, code)`` of a notice, ``None`` when ``values`` is not one."""
+    if len(values) != 3 or values[0] != (_NOTICE_MAGIC << 16) | SPEC_VERSION:
+        return None
+    return int(values[2]), int(values[1])
 
 
 def unpack_shard(values: Sequence[int]) -> ShardDigest | None:

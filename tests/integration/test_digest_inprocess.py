@@ -5,7 +5,9 @@ decode's (different) slots, as the KV transfer does. The schedulers are stand-in
 ``compat.kv_digest`` reads from a scheduler (the pool, ``req_to_token``, the TP coordinates, the model's KV
 head count), because a real scheduler needs a model. Asserted: a faithful copy compares equal, at the same and
 at different TP widths (prefill TP 1, decode TP 2 as two pools of one head each); a flipped bit, a row the
-copy skipped and a short send are each an abort.
+copy skipped and a short send are each an abort. What prefill posts (its shard, or a notice of why it has none)
+and what decode decides on each answer of the side channel (verified, skipped, refused) are checked on the same
+pools.
 """
 
 from __future__ import annotations
@@ -142,6 +144,96 @@ def test_short_send_aborts() -> None:
 def test_published_shard_survives_the_wire() -> None:
     shard = _prefill_shard(_filled_prefill())
     assert checksum.unpack_shard(checksum.pack_shard(shard)) == shard
+
+
+# ------------------------------------------------- what prefill publishes, and what decode does with it
+
+
+class _Board:
+    """Stands in for the digest publisher (its HTTP side is tested in tests/unit/test_digest_channel.py)."""
+
+    def __init__(self) -> None:
+        self.posted: list[Any] = []
+
+    def publish(self, shard: Any) -> bool:
+        self.posted.append(shard)
+        return True
+
+
+def _reader(sent_range: Any = lambda scheduler, req, end_idx: (0, N_TOKENS)) -> Any:
+    return kv_digest.DigestReader(
+        pool_row=lambda req: 1, sent_range=sent_range, is_fake_transfer=lambda req: False,
+        abort_transferred=lambda queue, decode_req, decision: None,
+    )
+
+
+def _published(monkeypatch: pytest.MonkeyPatch, pool: Any, reader: Any) -> Any:
+    from sglang_harden.compat.runtime import RUNTIME
+
+    board = _Board()
+    monkeypatch.setattr(RUNTIME, "digest_publisher", board)
+    kv_digest._publish(_scheduler(pool, PREFILL_SLOTS), SimpleNamespace(rid="p", bootstrap_room=11), reader, None)
+    assert len(board.posted) == 1 and board.posted[0].room == 11
+    return board.posted[0]
+
+
+def test_prefill_publishes_its_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = _filled_prefill()
+    posted = _published(monkeypatch, pool, _reader())
+    assert checksum.unpack_shard(posted.values) == _prefill_shard(pool)
+
+
+def test_prefill_that_cannot_digest_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode must not wait out its bound for a digest that will never come: prefill posts a notice instead."""
+    hnd = _filled_prefill()
+    hnd.use_hnd = True
+    assert checksum.unpack_notice(_published(monkeypatch, hnd, _reader()).values) == (
+        0, checksum.NOTICE_NOT_DIGESTIBLE)
+
+    def broken(scheduler: Any, req: Any, end_idx: Any) -> tuple[int, int]:
+        raise RuntimeError("sent range unknown")
+
+    failed = _published(monkeypatch, _filled_prefill(), _reader(broken))
+    assert checksum.unpack_notice(failed.values) == (0, checksum.NOTICE_FAILED)
+
+
+def _decide_on(monkeypatch: pytest.MonkeyPatch, fetched: Any, decode_pool: Any = None) -> Any:
+    """Decode's decision for a request whose prefill answered ``fetched`` (the HTTP fetch replaced)."""
+    from sglang_harden.compat import digest_channel
+
+    monkeypatch.setattr(digest_channel, "fetch_digests", lambda addr, room, wait_s, enough: fetched)
+    pool = decode_pool if decode_pool is not None else _pool()
+    req = SimpleNamespace(rid="d", bootstrap_room=11, origin_input_ids=list(range(N_TOKENS)))
+    decode_req = SimpleNamespace(req=req, kv_receiver=SimpleNamespace(bootstrap_addr="127.0.0.1:1"))
+    return kv_digest._compare_with_prefill(_scheduler(pool, DECODE_SLOTS), decode_req, _reader())
+
+
+def test_decode_decides_on_what_prefill_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_harden.compat.digest_channel import Fetched
+
+    prefill, decode = _filled_prefill(), _pool()
+    _transfer(prefill, decode)
+    shard = {0: tuple(checksum.pack_shard(_prefill_shard(prefill)))}
+    assert _decide_on(monkeypatch, Fetched(shard), decode).verdict is Verdict.ALLOW
+    not_hardened = Fetched({}, "prefill's bootstrap server has no digest route (prefill not hardened)")
+    assert _decide_on(monkeypatch, not_hardened).verdict is Verdict.SKIP
+    layout_notice = Fetched({0: tuple(checksum.pack_notice(0, checksum.NOTICE_NOT_DIGESTIBLE))})
+    skipped = _decide_on(monkeypatch, layout_notice)
+    assert skipped.verdict is Verdict.SKIP and "cannot digest their KV layout" in skipped.reason
+
+
+def test_decode_refuses_what_it_cannot_verify(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publishing prefill whose digest did not arrive in time, or whose digest failed, leaves the guard unable
+    to decide: the request is refused (before, a late digest was a skip and the request was served unchecked)."""
+    from sglang_harden.compat.digest_channel import Fetched
+
+    late = _decide_on(monkeypatch, Fetched({}, "prefill published no digest for room 11 within 5.0 s", True))
+    assert late.verdict is Verdict.ABORT and "could not be verified" in late.reason and "within 5.0 s" in late.reason
+    prefill = _filled_prefill()
+    half = Fetched({0: tuple(checksum.pack_shard(_prefill_shard(prefill)))[:-1]}, "not every rank", True)
+    assert _decide_on(monkeypatch, half).verdict is Verdict.ABORT
+    failed = _decide_on(monkeypatch, Fetched({0: tuple(checksum.pack_notice(0, checksum.NOTICE_FAILED))}))
+    assert failed.verdict is Verdict.ABORT and "failed to digest" in failed.reason
 
 
 # ------------------------------------------------------------------------------------------------ canary

@@ -48,13 +48,24 @@ def test_valid_body_parses() -> None:
 
 
 class _Prefill:
-    """A stand-in bootstrap server serving only the digest GET route from a board."""
+    """A stand-in bootstrap server (http.server, HTTP/1.0: it closes the connection after every answer) serving
+    the digest routes from a board; ``refuse_puts`` answers every PUT with 503."""
 
-    def __init__(self, publishing: bool, route: bool = True) -> None:
+    def __init__(self, publishing: bool, route: bool = True, refuse_puts: bool = False) -> None:
         self.board = DigestBoard()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_PUT(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if refuse_puts or self.path != digest_channel.DIGEST_PATH:
+                    self.send_response(503)
+                else:
+                    outer.board.post(parse_digest_body(body))
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_GET(self) -> None:  # noqa: N802
                 url = urlparse(self.path)
                 if not route or url.path != digest_channel.DIGESTS_PATH:
@@ -85,30 +96,64 @@ def prefill() -> Iterator[_Prefill]:
 
 def test_fetch_returns_published_shards(prefill: _Prefill) -> None:
     prefill.board.post(PublishedShard(3, 0, (7, 8)))
-    got = fetch_digests(prefill.addr, 3, 1.0, lambda shards: 0 in shards)
+    got = fetch_digests(prefill.addr, 3, 30.0, lambda shards: 0 in shards)
     assert got.shards == {0: (7, 8)} and got.reason == ""
 
 
 def test_fetch_waits_for_a_late_publish(prefill: _Prefill) -> None:
     threading.Timer(0.2, prefill.board.post, args=(PublishedShard(4, 0, (1,)),)).start()
-    got = fetch_digests(prefill.addr, 4, 3.0, lambda shards: bool(shards))
+    got = fetch_digests(prefill.addr, 4, 30.0, lambda shards: bool(shards))
     assert got.shards == {0: (1,)}
 
 
-def test_fetch_gives_up_within_its_bound(prefill: _Prefill) -> None:
+def test_fetch_gives_up_within_its_bound_and_says_it_timed_out(prefill: _Prefill) -> None:
     start = time.monotonic()
     got = fetch_digests(prefill.addr, 99, 0.3, lambda shards: bool(shards))
-    assert got.shards == {} and "no digest" in got.reason
-    assert time.monotonic() - start < 2.0
+    assert got.shards == {} and "no digest" in got.reason and got.timed_out
+    assert time.monotonic() - start < 0.3 + 2.0  # one query at most past the wait, and that capped by it
+
+
+def test_fetch_of_some_ranks_only_times_out(prefill: _Prefill) -> None:
+    prefill.board.post(PublishedShard(8, 0, (1,)))
+    got = fetch_digests(prefill.addr, 8, 1.0, lambda shards: {0, 1} <= set(shards))
+    assert got.timed_out and got.shards == {0: (1,)} and "not every rank" in got.reason
+
+
+def test_an_unreachable_prefill_is_retried_then_reported_as_timed_out() -> None:
+    gone = _Prefill(publishing=True)
+    gone.server.shutdown()
+    gone.server.server_close()
+    start = time.monotonic()
+    got = fetch_digests(gone.addr, 1, 0.5, lambda shards: bool(shards))
+    assert got.timed_out and got.shards == {} and "failed" in got.reason
+    assert time.monotonic() - start < 0.5 + 2.0
+
+
+def test_publisher_posts_before_returning(prefill: _Prefill) -> None:
+    publisher = digest_channel.DigestPublisher(f"http://{prefill.addr}", timeout_s=30.0)
+    for room in (1, 2, 3):  # the stand-in closes each connection: every publish after the first reconnects
+        assert publisher.publish(PublishedShard(room, 0, (room, -room)))
+        assert prefill.board.lookup(room) == {0: (room, -room)}
+
+
+def test_publisher_reports_a_refused_or_unreachable_board() -> None:
+    refusing = _Prefill(publishing=True, refuse_puts=True)
+    assert not digest_channel.DigestPublisher(f"http://{refusing.addr}", 30.0).publish(PublishedShard(1, 0, (1,)))
+    refusing.server.shutdown()
+    refusing.server.server_close()
+    start = time.monotonic()
+    gone = digest_channel.DigestPublisher(f"http://{refusing.addr}", timeout_s=0.5)
+    assert not gone.publish(PublishedShard(1, 0, (1,)))
+    assert time.monotonic() - start < 2 * 0.5 + 2.0  # two tries, each bounded
 
 
 def test_fetch_returns_at_once_when_prefill_does_not_publish() -> None:
     for server, words in ((_Prefill(publishing=False), "does not publish"), (_Prefill(True, route=False), "not hard")):
         start = time.monotonic()
-        got = fetch_digests(server.addr, 1, 5.0, lambda shards: bool(shards))
+        got = fetch_digests(server.addr, 1, 30.0, lambda shards: bool(shards))
         server.server.shutdown()
-        assert got.shards == {} and words in got.reason
-        assert time.monotonic() - start < 2.0
+        assert got.shards == {} and words in got.reason and not got.timed_out
+        assert time.monotonic() - start < 10.0  # not the 30 s wait
 
 
 def test_digest_timer_reports_count_mean_and_worst_per_phase() -> None:
