@@ -20,9 +20,7 @@ import json
 import logging
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,6 +148,46 @@ class Fetched:
     timed_out: bool = False  # the prefill publishes digests, but not enough arrived within the wait
 
 
+class KeptAlive:
+    """One kept-alive HTTP connection per (thread, prefill address) for decode's digest queries: a query then
+    costs one request on an open socket, not a TCP handshake. A connection the server closed is replaced once."""
+
+    MAX_BODY = 1 << 22
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, addr: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+        connections: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("connections", {})
+        while True:
+            connection = connections.get(addr)
+            fresh = connection is None
+            if connection is None:
+                connection = connections[addr] = http.client.HTTPConnection(addr, timeout=timeout_s)
+            elif connection.sock is not None:
+                connection.sock.settimeout(timeout_s)
+            try:
+                return self._request(connection, path)
+            except (http.client.HTTPException, OSError):
+                connections.pop(addr, None)
+                connection.close()
+                if fresh:
+                    raise
+
+    def _request(self, connection: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        if int(response.getheader("Content-Length") or 0) > self.MAX_BODY:
+            raise http.client.HTTPException(f"answer longer than {self.MAX_BODY} bytes")
+        body = response.read()
+        if response.will_close:
+            connection.close()
+        return response.status, body
+
+
+CONNECTIONS = KeptAlive()
+
+
 def fetch_digests(
     addr: str, room: int, wait_s: float, enough: Callable[[dict[int, tuple[int, ...]]], bool]
 ) -> Fetched:
@@ -157,32 +195,41 @@ def fetch_digests(
     ``enough`` (cover the heads the caller holds). Returns at once when that prefill does not publish digests;
     a query that fails is retried until the wait is over, then reported as timed out."""
     deadline = time.monotonic() + wait_s
-    url = f"http://{addr}{DIGESTS_PATH}?room={room}"
+    path = f"{DIGESTS_PATH}?room={room}"
     shards: dict[int, tuple[int, ...]] = {}
-    failure = ""
+    answered, failure = False, ""
     while True:
         left = deadline - time.monotonic()
+        data = None
         try:
-            with urllib.request.urlopen(url, timeout=min(HTTP_TIMEOUT_S, max(left, 0.05))) as response:
-                data = json.loads(response.read(1 << 22))
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
+            status, body = CONNECTIONS.get(addr, path, min(HTTP_TIMEOUT_S, max(left, 0.05)))
+            if status == 404:
                 return Fetched({}, "prefill's bootstrap server has no digest route (prefill not hardened)")
-            data, failure = None, f"digest query to {addr} failed: HTTP {exc.code}"
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            data, failure = None, f"digest query to {addr} failed: {exc}"
+            if status == 200:
+                data = json.loads(body)
+                if not isinstance(data, dict):
+                    data, failure = None, f"answered a JSON {type(data).__name__}"
+            else:
+                failure = f"HTTP {status}"
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            failure = repr(exc)
         if data is not None:
             if not data.get("publishing", False):
                 return Fetched({}, "prefill does not publish digests (its checksum guard is off)")
             shards = {int(rank): tuple(int(v) for v in values) for rank, values in data.get("shards", {}).items()}
             if enough(shards):
                 return Fetched(shards)
-            failure = ""
+            answered, failure = True, ""
         if time.monotonic() >= deadline:
-            return Fetched(shards, failure or _missing(shards, room, wait_s), timed_out=True)
+            return Fetched(shards, _why_not(addr, room, wait_s, shards, answered, failure), timed_out=True)
         time.sleep(WAIT_POLL_S)
 
 
-def _missing(shards: dict[int, tuple[int, ...]], room: int, wait_s: float) -> str:
+def _why_not(
+    addr: str, room: int, wait_s: float, shards: dict[int, tuple[int, ...]], answered: bool, failure: str
+) -> str:
+    if not answered:
+        return f"prefill's bootstrap server at {addr} did not answer the digest query within {wait_s} s: {failure}"
     what = "not every rank's digest" if shards else "no digest"
-    return f"prefill published {what} for room {room} within {wait_s} s"
+    last = f" (last query failed: {failure})" if failure else ""
+    return f"prefill published {what} for room {room} within {wait_s} s{last}"
