@@ -98,45 +98,27 @@ def digests_payload(room: int, publishing: bool, board: DigestBoard | None = Non
 
 
 class DigestPublisher:
-    """Posts shard digests to the local bootstrap server on the caller's thread, over one kept-alive connection,
-    so a digest is on the board before the send it vouches for is issued. Returns whether the board took it."""
+    """Posts shard digests to the local bootstrap server on the caller's thread, over a kept-alive connection
+    (:data:`CONNECTIONS`), so a digest is on the board before the send it vouches for is issued. Returns
+    whether the board took it."""
 
     def __init__(self, base_url: str, timeout_s: float = HTTP_TIMEOUT_S) -> None:
-        parsed = urllib.parse.urlsplit(base_url)
-        self._host, self._port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self._addr = urllib.parse.urlsplit(base_url).netloc
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
-        self._conn: http.client.HTTPConnection | None = None
-        self._lock = threading.Lock()
 
     def publish(self, shard: PublishedShard) -> bool:
         body = json.dumps({"room": shard.room, "rank": shard.rank, "values": list(shard.values)}).encode()
-        with self._lock:
-            for attempt in range(2):  # a kept-alive connection the server closed gets one fresh retry
-                try:
-                    return self._put(body, shard.room)
-                except (http.client.HTTPException, OSError) as exc:
-                    self._close()
-                    if attempt:
-                        logger.error("sglang-harden: publishing the digest of room %s to %s failed: %s",
-                                     shard.room, self._base_url, exc)
-        return False
-
-    def _put(self, body: bytes, room: int) -> bool:
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
-        self._conn.request("PUT", DIGEST_PATH, body=body, headers={"Content-Type": "application/json"})
-        response = self._conn.getresponse()
-        response.read()
-        if response.status != 200:
+        try:
+            status, _ = CONNECTIONS.request("PUT", self._addr, DIGEST_PATH, self._timeout_s, body)
+        except (http.client.HTTPException, OSError) as exc:
+            logger.error("sglang-harden: publishing the digest of room %s to %s failed: %s",
+                         shard.room, self._base_url, exc)
+            return False
+        if status != 200:
             logger.error("sglang-harden: the bootstrap server refused the digest of room %s: HTTP %s",
-                         room, response.status)
-        return response.status == 200
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+                         shard.room, status)
+        return status == 200
 
 
 @dataclass(frozen=True)
@@ -145,19 +127,22 @@ class Fetched:
 
     shards: dict[int, tuple[int, ...]]
     reason: str = ""
-    timed_out: bool = False  # the prefill publishes digests, but not enough arrived within the wait
+    timed_out: bool = False  # the wait ran out: prefill did not answer, or not with every digest needed
 
 
 class KeptAlive:
-    """One kept-alive HTTP connection per (thread, prefill address) for decode's digest queries: a query then
-    costs one request on an open socket, not a TCP handshake. A connection the server closed is replaced once."""
+    """One kept-alive HTTP connection per (thread, address) for the digest routes (prefill's posts, decode's
+    queries): a request then costs one round trip on an open socket, not a TCP handshake. A kept connection the
+    server closed is replaced once."""
 
     MAX_BODY = 1 << 22
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def get(self, addr: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+    def request(
+        self, method: str, addr: str, path: str, timeout_s: float, body: bytes | None = None
+    ) -> tuple[int, bytes]:
         connections: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("connections", {})
         while True:
             connection = connections.get(addr)
@@ -167,22 +152,25 @@ class KeptAlive:
             elif connection.sock is not None:
                 connection.sock.settimeout(timeout_s)
             try:
-                return self._request(connection, path)
+                return self._exchange(connection, method, path, body)
             except (http.client.HTTPException, OSError):
                 connections.pop(addr, None)
                 connection.close()
                 if fresh:
                     raise
 
-    def _request(self, connection: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
-        connection.request("GET", path)
+    def _exchange(
+        self, connection: http.client.HTTPConnection, method: str, path: str, body: bytes | None
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         if int(response.getheader("Content-Length") or 0) > self.MAX_BODY:
             raise http.client.HTTPException(f"answer longer than {self.MAX_BODY} bytes")
-        body = response.read()
+        answer = response.read()
         if response.will_close:
             connection.close()
-        return response.status, body
+        return response.status, answer
 
 
 CONNECTIONS = KeptAlive()
@@ -202,7 +190,7 @@ def fetch_digests(
         left = deadline - time.monotonic()
         data = None
         try:
-            status, body = CONNECTIONS.get(addr, path, min(HTTP_TIMEOUT_S, max(left, 0.05)))
+            status, body = CONNECTIONS.request("GET", addr, path, min(HTTP_TIMEOUT_S, max(left, 0.05)))
             if status == 404:
                 return Fetched({}, "prefill's bootstrap server has no digest route (prefill not hardened)")
             if status == 200:

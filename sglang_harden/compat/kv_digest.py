@@ -94,6 +94,10 @@ def _tp_coordinates(scheduler: Any) -> tuple[int, int] | None:
     return None
 
 
+def _tp_rank(scheduler: Any) -> int:
+    return (_tp_coordinates(scheduler) or (0, 1))[0]
+
+
 def _parallel_context() -> Any:
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -152,8 +156,7 @@ def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDi
     if layout is None:
         return None, reason
     slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
-    rank = (_tp_coordinates(scheduler) or (0, 1))[0]
-    return shard_digest(k_buffers, v_buffers, slots, layout, start_token=start, rank=rank), ""
+    return shard_digest(k_buffers, v_buffers, slots, layout, start_token=start, rank=_tp_rank(scheduler)), ""
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -189,7 +192,7 @@ def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> No
         shard, reason, code = None, f"digest failed: {exc!r}", checksum.NOTICE_FAILED
     if shard is None:
         logger.warning("sglang-harden: no KV digest for request %s: %s", req.rid, reason)
-        rank = (_tp_coordinates(scheduler) or (0, 1))[0]
+        rank = _tp_rank(scheduler)
         published = digest_channel.PublishedShard(int(room), rank, tuple(checksum.pack_notice(rank, code)))
     else:
         published = digest_channel.PublishedShard(int(room), shard.rank, tuple(checksum.pack_shard(shard)))
