@@ -184,13 +184,14 @@ class DecodeNode:
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
         """Mask of ``pages`` that must not reach the free list (None: free them all)."""
         states = self.states[pages]
-        tracked = np.flatnonzero(states != FREE)
-        if tracked.size == 0:
+        tracked = np.count_nonzero(states)  # FREE is 0
+        if tracked == 0:
             return None
-        tracked_pages = pages[tracked]
+        tracked_pages = pages if tracked == pages.size else pages[states != FREE]
         owner_ids = self.ledger.owner_ids_of(tracked_pages)
-        if (owner_ids == owner_ids[0]).all():  # the usual case: one request's pages
-            groups = [(int(owner_ids[0]), tracked_pages)]
+        first = owner_ids[0]
+        if np.count_nonzero(owner_ids != first) == 0:  # the usual case: one request's pages
+            groups = [(int(first), tracked_pages)]
         else:
             groups = [(o, tracked_pages[owner_ids == o]) for o in lifecycle.distinct(owner_ids).tolist()]
         for owner_id, owned in groups:
@@ -208,8 +209,8 @@ class DecodeNode:
             self._record_quarantine(owner, pages.tolist(), mode)
             drained = True
         outcome = self.ledger.release_bulk(owner, pages, writer_drained=drained)
-        if outcome.to_quarantine:
-            self._record_quarantine(owner, outcome.to_quarantine, mode)
+        if len(outcome.to_quarantine):
+            self._record_quarantine(owner, outcome.to_quarantine.tolist(), mode)
             self._ask_for_drain_ack(owner)
         elif self._all_free(owner):
             self._forget(owner)
@@ -413,8 +414,11 @@ def node_report() -> dict[str, Any] | None:
 
 
 def _pages_of(free_index: Any, page_size: int) -> np.ndarray:
-    raw = free_index.detach()
-    arr = (raw.numpy() if raw.device.type == "cpu" else raw.cpu().numpy()).astype(np.int64, copy=False)
+    try:
+        raw = free_index.numpy()  # index tensors never require grad; a CUDA tensor raises here
+    except (TypeError, RuntimeError):
+        raw = free_index.detach().cpu().numpy()
+    arr = raw.astype(np.int64, copy=False)
     return arr // page_size if page_size > 1 else arr
 
 
@@ -521,7 +525,7 @@ def _send_metadata(original: Func) -> Func:
         result = original(self, kv_indices, *args, **kwargs)
         if getattr(self, "bootstrap_infos", None) is None:
             return result  # nothing was published: no writer for these pages
-        pages = lifecycle.distinct(np.asarray(kv_indices, dtype=np.int64))
+        pages = np.asarray(kv_indices, dtype=np.int64)
         decision = node.begin(int(self.bootstrap_room), str(self.bootstrap_addr), len(self.bootstrap_infos),
                               pages, self)
         if events.record(decision, RUNTIME.config.lifecycle, room=self.bootstrap_room):
@@ -577,15 +581,15 @@ def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Tr
     if pool_idx is None or length <= 0:
         return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
     rows = scheduler.req_to_token_pool.req_to_token[pool_idx, :length]
-    pages = lifecycle.distinct(_pages_of(rows, node.page_size))
+    pages = _pages_of(rows, node.page_size)  # a page repeats once per token it holds: harmless on the fast path
     prefix = getattr(req, "prefix_indices", None)
     prefix_pages: list[int] = []
     if prefix is not None and len(prefix) > 0:
         prefix_pages = lifecycle.distinct(_pages_of(prefix, node.page_size)).tolist()
     if not prefix_pages and node.ledger.all_owned_written(transfer.owner, transfer.generation, pages):
         return allow(page_tags.GUARD, rid=str(req.rid), pages=int(pages.size))
-    return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation, pages.tolist(),
-                                      prefix_pages)
+    return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation,
+                                      lifecycle.distinct(pages).tolist(), prefix_pages)
 
 
 def _pool_idx(req: Any) -> int | None:

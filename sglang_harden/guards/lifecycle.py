@@ -15,7 +15,7 @@ FREE -> RESERVED -> WRITING -> WRITTEN -> (FREE | QUARANTINED -> FREE), and:
 Each call says who owns what afterwards through its return value (pages to free, pages to quarantine), in
 the way vLLM's KV connectors return whether they now own freeing blocks. Storage is three ``array``
 columns indexed by page; every operation costs O(pages touched). Generations come from one counter per
-ledger, so a page's (owner, generation) pair names exactly one reservation.
+ledger, so a page's generation alone names exactly one reservation (and with it the owner).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class PageLedger:
         self._next_generation = 1
         self._owner_ids: dict[str, int] = {}
         self._owner_names: dict[int, str] = {}
-        self._pages_held: dict[int, int] = {}
+        self._reservations: dict[int, list[Any]] = {}  # owner id -> the page collections it reserved
         self._next_owner_id = 0
         self._quarantine: dict[int, list[int]] = {}
         self._quarantined = 0
@@ -127,7 +127,7 @@ class PageLedger:
             self._state[page] = PageState.RESERVED
             self._owner[page] = owner_id
             self._generation[page] = generation
-        self._pages_held[owner_id] += len(pages)
+        self._reservations[owner_id].append(tuple(pages))
         return generation
 
     def begin_write(self, owner: str, pages: Iterable[int]) -> list[int]:
@@ -161,6 +161,8 @@ class PageLedger:
             else:
                 self._free_page(page)
                 to_free.append(page)
+        if to_free:
+            self._forget_if_empty(owner_id)
         return ReleaseOutcome(to_free, to_quarantine, ignored)
 
     def confirm_drained(self, owner: str) -> list[int]:
@@ -172,6 +174,7 @@ class PageLedger:
         self._quarantined -= len(pages)
         for page in pages:
             self._free_page(page)
+        self._forget_if_empty(owner_id)
         return pages
 
     def admission_open(self, cap: int) -> Decision:
@@ -186,25 +189,25 @@ class PageLedger:
             return Decision(GUARD, Verdict.REJECT, reason, 503, fields)
         return allow(GUARD, **fields)
 
-    # ---- bulk variants: the same rules over a numpy index array, for a host's hot path (numpy imported lazily)
+    # ---- bulk variants: the same rules over a numpy index array, for a host's hot path (numpy imported lazily).
+    # Each costs a handful of numpy calls whatever the page count; duplicate pages are harmless everywhere.
     def reserve_bulk(self, owner: str, pages: Any, initial: PageState = PageState.RESERVED) -> int:
         """:meth:`reserve` over an int64 numpy array of pages, in O(pages) vectorised work. ``initial=WRITING``
         reserves and hands the pages to the writer in one pass (reserve + :meth:`begin_write`)."""
         if initial not in (PageState.RESERVED, PageState.WRITING):
             raise ValueError(f"a reservation starts RESERVED or WRITING, not {initial.name}")
+        np = _numpy()
         states, owners, generations = self._np_columns()
-        if pages.size:
-            not_free = states[pages] != _FREE
-            if not_free.any():
-                bad = int(pages[not_free][0])
-                raise LedgerError(f"page {bad} is {self.state(bad).name} (owner {self.owner(bad)}), not FREE")
+        if pages.size and np.count_nonzero(states[pages]):  # FREE is 0
+            bad = int(pages[states[pages] != _FREE][0])
+            raise LedgerError(f"page {bad} is {self.state(bad).name} (owner {self.owner(bad)}), not FREE")
         generation = self._next_generation
         self._next_generation += 1
         owner_id = self._intern(owner)
         states[pages] = int(initial)
         owners[pages] = owner_id
         generations[pages] = generation
-        self._pages_held[owner_id] += int(pages.size)
+        self._reservations[owner_id].append(pages.copy())  # the caller may reuse its array
         return generation
 
     def move_bulk(self, owner: str, pages: Any, target: PageState) -> Any:
@@ -213,31 +216,36 @@ class PageLedger:
         owner_id = self._owner_ids.get(owner, NO_OWNER)
         if owner_id == NO_OWNER:
             return pages
+        np = _numpy()
         states, owners, _ = self._np_columns()
         goal = int(target)
         before = _RESERVED if goal == _WRITING else _WRITING
         st = states[pages]
-        ok = (owners[pages] == owner_id) & ((st == before) | (st == goal))
-        if ok.all():
-            states[pages] = goal
+        if not (np.count_nonzero(st != before) or np.count_nonzero(owners[pages] != owner_id)):
+            states[pages] = goal  # the usual case: every page where the previous step left it
             return pages[:0]
+        ok = owners[pages] == owner_id
+        ok &= (st == before) | (st == goal)
         states[pages[ok]] = goal
         return pages[~ok]
 
     def release_bulk(self, owner: str, pages: Any, writer_drained: bool) -> ReleaseOutcome:
-        """:meth:`release` over a numpy array of pages (duplicates count once)."""
-        pages = distinct(pages)
-        states, owners, _ = self._np_columns()
+        """:meth:`release` over a numpy array of pages. The outcome's lists are numpy arrays here; a page listed
+        twice in ``pages`` is quarantined once but may appear twice in ``to_free``."""
         owner_id = self._owner_ids.get(owner, NO_OWNER)
         if owner_id == NO_OWNER:
-            return ReleaseOutcome([], [], pages.tolist())
+            return ReleaseOutcome(pages[:0], pages[:0], pages)  # type: ignore[arg-type]
+        np = _numpy()
+        states, owners, _ = self._np_columns()
         st = states[pages]
-        mine = (owners[pages] == owner_id) & (st != _FREE) & (st != _QUARANTINED)
+        mine = owners[pages] == owner_id  # a FREE page has no owner, so "mine" already excludes FREE
+        mine &= st != _QUARANTINED
+        everything_mine = np.count_nonzero(mine) == mine.size
         if writer_drained:
-            to_quarantine, to_free = pages[:0], pages[mine]
+            to_quarantine, to_free = pages[:0], pages if everything_mine else pages[mine]
         else:
             held = mine & (st == _WRITING)
-            to_quarantine, to_free = pages[held], pages[mine & ~held]
+            to_quarantine, to_free = distinct(pages[held]), pages[mine & ~held]
         if to_quarantine.size:
             states[to_quarantine] = _QUARANTINED
             self._quarantine.setdefault(owner_id, []).extend(to_quarantine.tolist())
@@ -245,20 +253,19 @@ class PageLedger:
         if to_free.size:
             states[to_free] = _FREE
             owners[to_free] = NO_OWNER
-            self._pages_held[owner_id] -= int(to_free.size)
-            if self._pages_held[owner_id] == 0 and owner_id not in self._quarantine:
-                del self._pages_held[owner_id]
-                del self._owner_ids[self._owner_names.pop(owner_id)]
-        return ReleaseOutcome(to_free.tolist(), to_quarantine.tolist(), pages[~mine].tolist())
+            self._forget_if_empty(owner_id)
+        ignored = pages[:0] if everything_mine else pages[~mine]
+        return ReleaseOutcome(to_free, to_quarantine, ignored)  # type: ignore[arg-type]
 
     def all_owned_written(self, owner: str, generation: int, pages: Any) -> bool:
-        """Page-tag fast path: every page owned by ``owner`` at ``generation`` and WRITTEN."""
+        """Page-tag fast path: every page owned by ``owner`` at ``generation`` and WRITTEN. A generation names
+        one reservation, so pages that all carry ``generation`` have the owner of any one of them."""
+        np = _numpy()
         states, owners, generations = self._np_columns()
         owner_id = self._owner_ids.get(owner)
-        return owner_id is not None and bool(
-            (owners[pages] == owner_id).all() and (generations[pages] == generation).all()
-            and (states[pages] == _WRITTEN).all()
-        )
+        if owner_id is None or not pages.size or owners[pages[0]] != owner_id:
+            return owner_id is not None and not pages.size
+        return not (np.count_nonzero(generations[pages] != generation) or np.count_nonzero(states[pages] != _WRITTEN))
 
     def owner_ids_of(self, pages: Any) -> Any:
         """Owner ids (numpy) of ``pages``; :meth:`owner_name` turns one into the owner's name."""
@@ -309,7 +316,7 @@ class PageLedger:
                 continue
             owner_id = ledger._intern(owner)
             ledger._owner[page] = owner_id
-            ledger._pages_held[owner_id] += 1
+            ledger._reservations[owner_id].append((page,))
             if states[page] == PageState.QUARANTINED:
                 ledger._quarantine.setdefault(owner_id, []).append(page)
                 ledger._quarantined += 1
@@ -325,7 +332,7 @@ class PageLedger:
             self._next_owner_id += 1
             self._owner_ids[owner] = owner_id
             self._owner_names[owner_id] = owner
-            self._pages_held[owner_id] = 0
+            self._reservations[owner_id] = []
         return owner_id
 
     def _move(self, owner: str, pages: Iterable[int], allowed: tuple[int, ...], target: PageState) -> list[int]:
@@ -339,13 +346,28 @@ class PageLedger:
         return refused
 
     def _free_page(self, page: int) -> None:
-        owner_id = self._owner[page]
         self._state[page] = PageState.FREE
         self._owner[page] = NO_OWNER
-        self._pages_held[owner_id] -= 1
-        if self._pages_held[owner_id] == 0 and owner_id not in self._quarantine:
-            del self._pages_held[owner_id]
-            del self._owner_ids[self._owner_names.pop(owner_id)]
+
+    def _forget_if_empty(self, owner_id: int) -> None:
+        """Drop ``owner_id`` once it holds no page at all (none owned, none quarantined)."""
+        if owner_id in self._quarantine:
+            return
+        if any(self._still_owns(owner_id, pages) for pages in self._reservations[owner_id]):
+            return
+        del self._reservations[owner_id]
+        del self._owner_ids[self._owner_names.pop(owner_id)]
+
+    def _still_owns(self, owner_id: int, pages: Any) -> bool:
+        if isinstance(pages, tuple):
+            return any(self._owner[page] == owner_id for page in pages)
+        return bool(_numpy().count_nonzero(self._np_columns()[1][pages] == owner_id))
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy
 
 
 def distinct(pages: Any) -> Any:
@@ -359,7 +381,7 @@ def distinct(pages: Any) -> Any:
     first = np.empty(ordered.size, dtype=bool)
     first[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return ordered if first.all() else ordered[first]
+    return ordered if np.count_nonzero(first) == first.size else ordered[first]
 
 
 def default_quarantine_cap(num_pages: int) -> int:

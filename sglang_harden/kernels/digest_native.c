@@ -40,21 +40,25 @@ static inline void prefetch_slot(const int32_t *slot_row, int64_t heads, int64_t
 
 /* Adds, for layer halves [first_lh, first_lh + n_halves), every row's mix64(r + key) into sums[head].
  * bases[i] is layer half first_lh + i as int32 words laid out [slot][head][word] with the given strides
- * (in words). slots are pool token slots in send order; token i has absolute position start_token + i.
+ * (in words). Row j reads pool slot slots[j] and holds token order[j] of the send (absolute position
+ * start_token + order[j]); the head sums do not depend on the order rows are visited in, so callers pass
+ * the slots sorted by address (order says where each came from), which keeps scattered page-size-1 sends
+ * close to sequential for the prefetcher and the TLB. order == NULL means order[j] = j.
  * mult_lo / mult_hi are the low and high 32 bits of the row multipliers M[w]. */
 void sgh_digest_sums(const int32_t *const *bases, int64_t first_lh, int64_t n_halves, const int64_t *slots,
-                     int64_t n_tokens, int64_t start_token, int64_t heads, int64_t words, int64_t stride_slot,
-                     int64_t stride_head, const uint32_t *mult_lo, const uint32_t *mult_hi, uint64_t key_salt,
-                     int64_t shift, uint64_t *sums) {
+                     const int64_t *order, int64_t n_tokens, int64_t start_token, int64_t heads, int64_t words,
+                     int64_t stride_slot, int64_t stride_head, const uint32_t *mult_lo, const uint32_t *mult_hi,
+                     uint64_t key_salt, int64_t shift, uint64_t *sums) {
     for (int64_t i = 0; i < n_halves; i++) {
         const int32_t *base = bases[i];
         uint64_t lh_bits = (uint64_t)(first_lh + i) << shift;
-        for (int64_t t = 0; t < n_tokens; t++) {
-            if (t + PREFETCH_AHEAD < n_tokens) {
-                prefetch_slot(base + slots[t + PREFETCH_AHEAD] * stride_slot, heads, stride_head, words);
+        for (int64_t j = 0; j < n_tokens; j++) {
+            if (j + PREFETCH_AHEAD < n_tokens) {
+                prefetch_slot(base + slots[j + PREFETCH_AHEAD] * stride_slot, heads, stride_head, words);
             }
+            int64_t t = order ? order[j] : j;
             uint64_t key = mix64(key_salt ^ lh_bits ^ (uint64_t)(start_token + t));
-            const int32_t *slot_row = base + slots[t] * stride_slot;
+            const int32_t *slot_row = base + slots[j] * stride_slot;
             for (int64_t h = 0; h < heads; h++) {
                 sums[h] += mix64(row_hash(slot_row + h * stride_head, mult_lo, mult_hi, words) + key);
             }

@@ -108,8 +108,8 @@ def _load() -> tuple[Any, str]:
         return None, f"build or load failed: {exc}"
     fn = lib.sgh_digest_sums
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
     return lib, f"built with {compiler} {' '.join(flags)} at {target}"
 
@@ -172,15 +172,18 @@ class NativeDigester:
         if n and (int(idx.min()) < 0 or int(idx.max()) >= self.pool_rows):
             raise ValueError(f"slots outside the pool of {self.pool_rows} rows")
         heads = self.layout.num_heads
+        idx, order = visiting_order(idx)
         nbytes = n * heads * self.layout.row_bytes * len(self.pointers)
         wanted = threads or (default_threads() if nbytes >= SPLIT_BYTES else 1)
         parts = self._parts(wanted)
         sums = [(ctypes.c_uint64 * heads)() for _ in parts]
 
+        order_ptr = order.data_ptr() if order is not None else None
+
         def run(part: int) -> None:
             first, count, bases = parts[part]
             self._fn(
-                bases, first, count, idx.data_ptr(), n, start_token, heads, self.layout.words_per_row,
+                bases, first, count, idx.data_ptr(), order_ptr, n, start_token, heads, self.layout.words_per_row,
                 self.stride_slot, self.stride_head, self._mult_lo, self._mult_hi, KEY_SALT, LAYER_HALF_SHIFT,
                 sums[part],
             )  # fmt: skip
@@ -224,6 +227,16 @@ def digest_native(
             _digesters.clear()
         _digesters[key] = digester
     return digester.digest(slots, start_token, threads)
+
+
+def visiting_order(slots: Any) -> tuple[Any, Any]:
+    """``(slots sorted by address, the send position of each)``; ``(slots, None)`` when already in order."""
+    import torch
+
+    if slots.numel() < 2 or bool((slots[1:] >= slots[:-1]).all()):
+        return slots, None
+    ordered, order = torch.sort(slots)
+    return ordered.contiguous(), order.contiguous()
 
 
 def split_halves(n_halves: int, threads: int) -> list[tuple[int, int]]:
