@@ -126,6 +126,7 @@ class DecodeNode:
     _gone: set[str] = field(default_factory=set)
     _never_started: dict[tuple[int, str], None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    table_view: tuple[Any, np.ndarray] | None = None  # (req_to_token, its numpy view) when it lives on the CPU
 
     @classmethod
     def for_allocator(cls, allocator: Any, cap: int) -> DecodeNode:
@@ -580,8 +581,8 @@ def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Tr
     length = len(req.origin_input_ids)
     if pool_idx is None or length <= 0:
         return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
-    rows = scheduler.req_to_token_pool.req_to_token[pool_idx, :length]
-    pages = _pages_of(rows, node.page_size)  # a page repeats once per token it holds: harmless on the fast path
+    rows = _page_table_rows(node, scheduler.req_to_token_pool.req_to_token, pool_idx, length)
+    pages = rows // node.page_size if node.page_size > 1 else rows  # a page repeats per token: fine here
     prefix = getattr(req, "prefix_indices", None)
     prefix_pages: list[int] = []
     if prefix is not None and len(prefix) > 0:
@@ -590,6 +591,17 @@ def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Tr
         return allow(page_tags.GUARD, rid=str(req.rid), pages=int(pages.size))
     return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation,
                                       lifecycle.distinct(pages).tolist(), prefix_pages)
+
+
+def _page_table_rows(node: DecodeNode, table: Any, pool_idx: int, length: int) -> np.ndarray:
+    """``table[pool_idx, :length]`` as int64 numpy; a CPU page table is read through a numpy view made once."""
+    view = node.table_view
+    if view is None or view[0] is not table:
+        try:
+            node.table_view = view = (table, table.numpy())
+        except (TypeError, RuntimeError):  # a CUDA page table: read the row through torch
+            return _pages_of(table[pool_idx, :length], 1)
+    return view[1][pool_idx, :length].astype(np.int64)
 
 
 def _pool_idx(req: Any) -> int | None:

@@ -241,7 +241,7 @@ class PageLedger:
         mine = owners[pages] == owner_id  # a FREE page has no owner, so "mine" already excludes FREE
         mine &= st != _QUARANTINED
         everything_mine = np.count_nonzero(mine) == mine.size
-        if writer_drained:
+        if writer_drained or not np.count_nonzero(st == _WRITING):
             to_quarantine, to_free = pages[:0], pages if everything_mine else pages[mine]
         else:
             held = mine & (st == _WRITING)

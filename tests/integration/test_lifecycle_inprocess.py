@@ -232,6 +232,27 @@ def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
     assert decision.verdict is Verdict.ABORT and "room:999" in decision.reason
 
 
+def test_page_tags_read_the_live_page_table(allocator: Any) -> None:
+    """The check reads the page table as it is now: a row rewritten after an earlier check (the numpy view is
+    shared with the tensor), and a table object the scheduler replaced, are both seen."""
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    a = allocator.alloc(16)
+    _publish(Receiver(ROOM_B), a)
+    transfer = node.finish(ROOM_B)
+    assert transfer is not None
+    req = SimpleNamespace(rid="req-b", origin_input_ids=list(range(16)), req_pool_idx=1, kv=None,
+                          prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
+    scheduler = _scheduler_with_table(a.tolist())
+    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+    foreign = allocator.alloc(1)
+    scheduler.req_to_token_pool.req_to_token[1, 5] = int(foreign[0])  # a slot the transfer never wrote
+    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ABORT
+    scheduler.req_to_token_pool.req_to_token = scheduler.req_to_token_pool.req_to_token.clone()
+    scheduler.req_to_token_pool.req_to_token[1, 5] = int(a[5])
+    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+
+
 def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node
