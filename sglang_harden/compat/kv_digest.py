@@ -185,9 +185,11 @@ def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> No
     if room is None:
         return
     code = checksum.NOTICE_NOT_DIGESTIBLE
+    began = time.perf_counter()
     try:
         start, end = reader.sent_range(scheduler, req, end_idx)
         shard, reason = digest_rows(scheduler, reader.pool_row(req), start, end)
+        TIMER.add("publish.digest", time.perf_counter() - began)
     except Exception as exc:  # noqa: BLE001 - never break a send; decode is told and refuses the request
         shard, reason, code = None, f"digest failed: {exc!r}", checksum.NOTICE_FAILED
     if shard is None:
@@ -250,7 +252,9 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
         return bool(_notices(shards)) or mine <= covered
 
     wait_s = RUNTIME.config.checksum_wait_ms / 1000
+    began = time.perf_counter()
     fetched = digest_channel.fetch_digests(addr, int(req.bootstrap_room), wait_s, decidable)
+    TIMER.add("verify.fetch", time.perf_counter() - began)
     notices = _notices(fetched.shards)
     if notices:
         return _decide_on_notices(rid, notices)
