@@ -2,6 +2,7 @@
 """Late-write fault injection, vanilla vs hardened, per pin, in one report (``--json`` for CI).
 
     python scripts/late_write.py --pin 0.5.19 --pin 0.5.23 --json
+    python scripts/late_write.py --pin 0.5.23 --backend nixl --json
 
 Each (pin, variant) runs on a fresh real CPU PD pair (see ``sglang_harden.testbed.latewrite``); pairs run one
 at a time and are always stopped. Exit code: 0 when every hardened run is clean with every page back at
@@ -16,7 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from sglang_harden.testbed.latewrite import LateWriteSetup, collect_report
+from sglang_harden.testbed.latewrite import BACKENDS, LateWriteSetup, collect_report
 
 
 def _say(msg: str) -> None:
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--pin", action="append", dest="pins", default=None)
     parser.add_argument("--variant", action="append", dest="variants", choices=("vanilla", "hardened"))
+    parser.add_argument("--backend", choices=BACKENDS, default=LateWriteSetup.backend,
+                        help="PD transfer backend whose KV write lands late (nixl: pins that list it in pins.toml)")
     parser.add_argument("--delay-s", type=float, default=LateWriteSetup.delay_s)
     parser.add_argument("--blocking", action="store_true",
                         help="the late write blocks prefill's transfer worker instead of timing out the engine call")
@@ -35,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    setup = replace(LateWriteSetup(), delay_s=args.delay_s, decode_max_total_tokens=args.decode_pool,
+    setup = replace(LateWriteSetup(), backend=args.backend, delay_s=args.delay_s,
+                    decode_max_total_tokens=args.decode_pool,
                     engine_timeout_s=None if args.blocking else LateWriteSetup.engine_timeout_s)
     report = collect_report(args.pins or ["0.5.19", "0.5.23"], tuple(args.variants or ("vanilla", "hardened")),
                             setup, args.log_dir, _say)
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for pin, variants in report["pins"].items():
             for variant, res in variants.items():
-                print(f"{pin:8} {variant:9} served={res.get('served_requests')} "
+                print(f"{pin:8} {report['backend']:8} {variant:9} served={res.get('served_requests')} "
                       f"corrupted={res.get('corrupted_requests')} late_write_at={res.get('late_write_t_rel')}s "
                       f"pages_back={res.get('pages_back_at_quiesce')} verdict={res.get('verdict')}")
     return 0 if report["ok"] else 1

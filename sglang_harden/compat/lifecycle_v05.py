@@ -19,7 +19,12 @@ prefill
   * ``MooncakeKVManager.add_transfer_request`` / ``NixlKVManager.add_transfer_request``: the chunk's source
     pages are held for its room;
   * the allocator's free keeps held pages back until the room settled (no chunk dequeued or in flight, and
-    the room concluded or gone); ``process_disagg_prefill_inflight_queue`` releases settled rooms.
+    the room concluded or gone); ``process_disagg_prefill_inflight_queue`` releases settled rooms;
+  * a write the transport gave up on may still land (``MooncakeKVManager.send_kvcache`` returned non-zero,
+    ``NixlKVManager.send_kvcache`` raised because the post failed, or, on pins that have it,
+    ``CommonKVManager.poison_deferred_ack_room``: the backend itself says it cannot prove the room drained):
+    the room is unsettled for ``transfer_write_lifetime_s``, its drain-ack target is kept (upstream drops a
+    poisoned room's target and never acks it), and the ack goes out once the lifetime passed.
 
 Both roles: ``Scheduler.__init__`` makes prefill send drain acknowledgements
 (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``) and bounds each Mooncake transfer batch to
@@ -778,8 +783,48 @@ def _send_windows(original: Func, mgr: Any, session: str, src: Any, ptrs: Any, d
     return 0
 
 
+def _nixl_send_kvcache(original: Func) -> Func:
+    """NIXL raises when the post of a KV transfer fails; the request may have been posted in part, so its bytes
+    may still land in decode's pages (0.5.23 says so itself and poisons the room's drain ack, but NIXL rooms were
+    never marked as failed writes here, so decode's quarantine had no way out)."""
+
+    def send_kvcache(self: Any, peer_name: str, prefill_kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, peer_name, prefill_kv_indices, *args, **kwargs)
+        except Exception:
+            node = NODE
+            if isinstance(node, PrefillNode):
+                node.kv_mgr = node.kv_mgr or self
+                node.note_failed_write(_rooms_in_flight(self, peer_name))
+            raise
+
+    return send_kvcache
+
+
+def _keep_poisoned_target(original: Func) -> Func:
+    """0.5.23 "poisons" a room whose writes it cannot prove drained (a failed post, a handle that never settled)
+    and drops its drain-ack target for good. The room becomes a failed write here (unsettled for the write
+    lifetime) and a target already registered is kept, so the ack still goes out once the write cannot land."""
+
+    def poison(self: Any, room: int, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, PrefillNode):
+            node.kv_mgr = node.kv_mgr or self
+            if int(room) not in node.failed_writes:
+                node.note_failed_write([int(room)])
+            target = getattr(self, "_deferred_ack_targets", {}).get(room)
+            if target:
+                merged = dict(node.orphan_targets.get(int(room)) or {})
+                merged.update(target)
+                node.orphan_targets[int(room)] = merged
+        return original(self, room, *args, **kwargs)
+
+    return poison
+
+
 def _rooms_in_flight(mgr: Any, session: str) -> list[int]:
-    """Rooms of ``session`` with a chunk dequeued by a transfer worker right now (the one whose write failed)."""
+    """Rooms of ``session`` with a chunk dequeued by a transfer worker right now (the one whose write failed).
+    ``session``: Mooncake's session id or NIXL's peer agent name (both key a room's ``transfer_infos``)."""
     outstanding = getattr(mgr, "_staging_outstanding", {})
     return [room for room, infos in list(mgr.transfer_infos.items())
             if session in infos and outstanding.get(room, 0) > 0]
@@ -831,6 +876,8 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", MOONCAKE, "MooncakeKVManager.send_kvcache",
          ("self", "mooncake_session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor"),
          _send_kvcache),
+    Hook("lifecycle", NIXL, "NixlKVManager.send_kvcache", ("self", "peer_name", "prefill_kv_indices"),
+         _nixl_send_kvcache),
     Hook("lifecycle", CONN, "CommonKVManager._send_abort_ack", ("self",), _withhold_ack),
     Hook("lifecycle", CONN, "CommonKVSender.clear", ("self",), _keep_ack_target),
     Hook("lifecycle", CONN, "CommonKVManager.register_deferred_ack_target", ("self", "room"), _capture_ack_target),
@@ -841,6 +888,18 @@ HOOKS: list[Hook] = [
     Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _commit_with_tags),
 ]
+
+# Pins whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it).
+POISONS_UNDRAINED_ROOMS = ("0.5.23",)
+
+
+def pin_hooks() -> list[Hook]:
+    """Hooks only some pins of the family have targets for (merged into sglang_v05.HOOKS)."""
+    if RUNTIME.pin not in POISONS_UNDRAINED_ROOMS:
+        return []
+    return [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"),
+                 _keep_poisoned_target)]
+
 
 ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"}}
 

@@ -248,6 +248,7 @@ HOOKS: list[Hook] = [
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"),
          report_state(_family_report)),
     *lifecycle_v05.HOOKS,
+    *lifecycle_v05.pin_hooks(),
 ]
 
 # Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).

@@ -1,10 +1,13 @@
 """Late-write scenario on a real CPU PD pair: decode gives up on a transfer whose write is still in flight.
 
-Timeline (one fresh pair per pin and variant; Mooncake TCP on loopback; the tiny model):
+Timeline (one fresh pair per pin and variant; Mooncake TCP or NIXL (UCX over TCP) on loopback, ``backend``;
+the tiny model):
 
 1. warm-up request W (settles the decode pool layout);
 2. request A with a fixed bootstrap room: the test-only ``latewrite`` shim makes prefill's transfer worker
-   sleep ``delay_s`` before writing A's KV, then write it anyway;
+   sleep ``delay_s`` before writing A's KV, then write it anyway (by default the engine call / NIXL post
+   reports failure after ``engine_timeout_s`` while the write is still pending: prefill fails A and decode
+   gives up on it);
 3. after ``abort_after_s`` decode gives up on A (``/abort_request`` on decode: the client went away); upstream
    then either frees A's pages at once (0.5.19 default) or holds them until prefill's drain ack or its
    deferred-release timeout (0.5.21+; lowered here to ``release_timeout_s`` < ``delay_s``: the timeout path);
@@ -37,8 +40,13 @@ LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
 Progress = Callable[[str], None] | None
 
 
+BACKENDS = ("mooncake", "nixl")
+
+
 @dataclass(frozen=True)
 class LateWriteSetup:
+    # The PD transfer backend whose KV write lands late (the pin must list it in ci/pins.toml).
+    backend: str = "mooncake"
     context_length: int = 512
     prefill_max_total_tokens: int = 512
     decode_max_total_tokens: int = 340
@@ -86,8 +94,11 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
                 "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages),
             }
         )
+    if setup.backend not in BACKENDS:
+        raise ValueError(f"late-write backend {setup.backend!r}: one of {BACKENDS}")
     pair = PDPair(
         pin,
+        transfer_backend=setup.backend,
         prefill_max_total_tokens=setup.prefill_max_total_tokens,
         decode_max_total_tokens=setup.decode_max_total_tokens,
         context_length=setup.context_length,
@@ -303,7 +314,13 @@ def run_late_write(
         pair.stop()
     result = judge(run, log_dir / "kvtrace")
     result.update(
-        {"pin": pin, "variant": "hardened" if hardened else "vanilla", "setup": asdict(setup), "log_dir": str(log_dir)}
+        {
+            "pin": pin,
+            "backend": setup.backend,
+            "variant": "hardened" if hardened else "vanilla",
+            "setup": asdict(setup),
+            "log_dir": str(log_dir),
+        }
     )
     result["verdict"] = ("corrupted" if result["corrupted_requests"] else "clean") + (
         "" if result["pages_back_at_quiesce"] else ", pages missing at quiesce"
@@ -318,7 +335,8 @@ def collect_report(
     root: Path | None = None,
     say: Progress = None,
 ) -> dict[str, Any]:
-    """``{"scenario": "late-write", "pins": {pin: {variant: result}}, "ok": bool}``; pairs run one at a time.
+    """``{"scenario": "late-write", "backend": …, "pins": {pin: {variant: result}}, "ok": bool}``; pairs run one
+    at a time, all on ``setup.backend``.
 
     ``ok``: every hardened run is clean with every page back at quiesce and no run errored (what CI gates on;
     for ``sglang-harden demo --scenario late-write``)."""
@@ -326,7 +344,7 @@ def collect_report(
 
     say = say or (lambda _m: None)
     root = root or Path(tempfile.mkdtemp(prefix="sglang-harden-latewrite-"))
-    report: dict[str, Any] = {"scenario": "late-write", "pins": {}, "ok": True}
+    report: dict[str, Any] = {"scenario": "late-write", "backend": setup.backend, "pins": {}, "ok": True}
     for pin in pins:
         report["pins"][pin] = {}
         for variant in variants:

@@ -6,6 +6,9 @@ of A's KV rows B's first decode step read (white-box tracer), and a verdict. Pro
 
 Variants are columns: ``vanilla`` (``python -m sglang.launch_server``) and, through :func:`add_variant`,
 ``hardened`` (``python -m sglang_harden.launch_server`` with ``SGLANG_HARDEN_ACTIVATE=1``).
+
+``--scenario late-write`` runs the late-write fault injection instead (``sglang_harden.testbed.latewrite``: a KV
+write that lands after decode gave up on it) over ``--backend mooncake`` (default) or ``nixl``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from typing import Any
 
 from sglang_harden.testbed.incident import IncidentSetup
 from sglang_harden.testbed.incident import run_incident as _run_incident
+from sglang_harden.testbed.latewrite import BACKENDS as LATE_WRITE_BACKENDS
 
-SCENARIOS = ("incident",)
+SCENARIOS = ("incident", "late-write")
+BACKENDS = LATE_WRITE_BACKENDS
 Runner = Callable[[str], dict[str, Any]]
 
 
@@ -177,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--scenario", choices=SCENARIOS, default="incident")
+    parser.add_argument("--backend", choices=BACKENDS, default="mooncake",
+                        help="PD transfer backend of --scenario late-write (nixl: pins whose pins.toml lists it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
     except EnvError as exc:
         print(f"sglang-harden demo: {exc}", file=sys.stderr)
         return 2
+    if args.scenario == "late-write":
+        return run_late_write(pins, args.backend, args.json)
+    if args.backend != "mooncake":
+        print("sglang-harden demo: --backend applies to --scenario late-write", file=sys.stderr)
+        return 2
     report = collect(pins, args.scenario)
     if args.json:
         print(json.dumps(report, indent=None, sort_keys=False))
@@ -196,6 +208,23 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(report))
     errors = [p for p, v in report["pins"].items() for r in v.values() if r.get("verdict") == "error"]
     return 1 if errors or not hardened_blocked(report) else 0
+
+
+def run_late_write(pins: Sequence[str], backend: str, as_json: bool) -> int:
+    """The late-write scenario, vanilla vs hardened per pin; 0 when every hardened run is clean with every page
+    back at quiesce."""
+    from sglang_harden.testbed.latewrite import LateWriteSetup, collect_report
+
+    report = collect_report(list(pins), setup=LateWriteSetup(backend=backend), say=_progress)
+    if as_json:
+        print(json.dumps(report, default=str))
+    else:
+        for pin, variants in report["pins"].items():
+            for variant, res in variants.items():
+                print(f"{pin:8} {backend:8} {variant:9} served={res.get('served_requests')} "
+                      f"corrupted={res.get('corrupted_requests')} late_write_at={res.get('late_write_t_rel')}s "
+                      f"pages_back={res.get('pages_back_at_quiesce')} verdict={res.get('verdict')}")
+    return 0 if report["ok"] else 1
 
 
 FRONT_DOOR_BOUND_S = 5.0

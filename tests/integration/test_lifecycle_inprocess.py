@@ -406,5 +406,78 @@ def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
     except ImportError as exc:
         pytest.skip(f"NIXL is not installed in this pin's venv ({exc}); ci/pins.toml lists it for 0.5.23")
     nixl_hooks = [h for h in lifecycle_v05.HOOKS if h.module == lifecycle_v05.NIXL]
-    assert {h.qualname for h in nixl_hooks} == {"NixlKVReceiver.send_metadata", "NixlKVManager.add_transfer_request"}
+    assert {h.qualname for h in nixl_hooks} == {"NixlKVReceiver.send_metadata", "NixlKVManager.add_transfer_request",
+                                                 "NixlKVManager.send_kvcache"}
     assert all(is_in_place(h) for h in nixl_hooks)
+
+
+def test_pin_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
+    """On pins that poison undrained rooms (0.5.23) the poison is hooked; elsewhere there is nothing to hook."""
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+
+    from sglang_harden.compat.hooks import is_in_place
+
+    extra = lifecycle_v05.pin_hooks()
+    assert bool(extra) == hasattr(CommonKVManager, "poison_deferred_ack_room")
+    assert all(is_in_place(h) for h in extra)
+
+
+def test_nixl_failed_post_is_a_failed_write(sglang_modules: dict[str, Any]) -> None:
+    """A NIXL KV post that raised may have been posted in part: its room is a failed write (no drain ack, sources
+    held, for the write lifetime), like a Mooncake engine call that returned -1."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    node.lifetime_s = 30.0
+    lifecycle_v05.NODE = node
+    try:
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring, ROOM_B: KVPoll.Transferring},
+                              _staging_outstanding={ROOM_A: 1},
+                              transfer_infos={ROOM_A: {"agent-d": object()}, ROOM_B: {"agent-d": object()}})
+
+        def post_fails(self: Any, peer_name: str, prefill_kv_indices: Any, *args: Any) -> Any:
+            raise RuntimeError("KVSender failed to post prepped transfer")
+
+        send = lifecycle_v05._nixl_send_kvcache(post_fails)
+        with pytest.raises(RuntimeError, match="failed to post"):
+            send(mgr, "agent-d", np.arange(4), [], np.arange(4), 0)
+        assert set(node.failed_writes) == {ROOM_A}, "only the room being written (ROOM_B has no chunk in flight)"
+        mgr.request_status[ROOM_A] = KVPoll.Failed
+        mgr._staging_outstanding[ROOM_A] = 0
+        assert not node.settled(ROOM_A)
+        assert lifecycle_v05._nixl_send_kvcache(lambda *a: "handle")(mgr, "agent-d", np.arange(4)) == "handle"
+    finally:
+        lifecycle_v05.NODE = None
+
+
+def test_poison_keeps_the_registered_ack_target(sglang_modules: dict[str, Any]) -> None:
+    """0.5.23 drops a poisoned room's ack target (registered before the poison) for good: we keep it and ack
+    after the write lifetime, so decode's quarantine ends on the sender's word, never on a bare timeout."""
+    import time
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    node.lifetime_s = 0.2
+    lifecycle_v05.NODE = node
+    try:
+        sent: list[Any] = []
+        target = SimpleNamespace(ip="127.0.0.1", port=9, generation=3)
+        mgr = SimpleNamespace(request_status={}, _staging_outstanding={}, transfer_infos={},
+                              _deferred_ack_targets={ROOM_A: {("127.0.0.1", 9): target}},
+                              _deferred_ack_poisoned_rooms=set(),
+                              _send_abort_acks=lambda room, targets: sent.append((room, sorted(targets))))
+
+        def upstream_poison(self: Any, room: int) -> None:
+            self._deferred_ack_targets.pop(room, None)
+            self._deferred_ack_poisoned_rooms.add(room)
+
+        lifecycle_v05._keep_poisoned_target(upstream_poison)(mgr, ROOM_A)
+        assert mgr._deferred_ack_targets == {} and ROOM_A in node.failed_writes
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert sent == [], "the write may still land"
+        time.sleep(0.25)
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert sent == [(ROOM_A, [("127.0.0.1", 9)])]
+    finally:
+        lifecycle_v05.NODE = None

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -277,3 +279,115 @@ def test_bind_failure_counts_only_for_our_own_ports() -> None:
     assert proc._lost_a_port("starting\n" + uvicorn)
     assert not proc._lost_a_port("transport: bind 15437 failed: Address already in use; trying the next port")
     assert not proc._lost_a_port("fired up and ready to roll")
+
+
+def _latewrite_shim(monkeypatch: pytest.MonkeyPatch, raw: str, trace: Path) -> Any:
+    import importlib
+
+    monkeypatch.syspath_prepend(str(SHIMS_DIR))
+    monkeypatch.setenv("SGLANG_HARDEN_TESTBED_LATE_WRITE", raw)
+    monkeypatch.setenv("SGLANG_HARDEN_TESTBED_KVTRACE_DIR", str(trace))
+    import sglang_harden_latewrite
+
+    return importlib.reload(sglang_harden_latewrite)
+
+
+class _FakeAgent:
+    def __init__(self) -> None:
+        self.posted: list[object] = []
+
+    def transfer(self, handle: object) -> str:
+        self.posted.append(handle)
+        return "PROC"
+
+    def check_xfer_state(self, handle: object) -> str:
+        return "DONE"
+
+
+def _fake_nixl_module() -> Any:
+    class NixlKVManager:
+        def __init__(self) -> None:
+            self.agent = _FakeAgent()
+
+        def send_kvcache(self, peer_name: str, prefill_kv_indices: list[int], *args: object) -> object:
+            handle = object()
+            state = self.agent.transfer(handle)
+            if state == "ERR":
+                raise RuntimeError("KVSender failed to post prepped transfer")
+            return handle
+
+    return SimpleNamespace(NixlKVManager=NixlKVManager)
+
+
+def _trace_events(trace: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(line) for f in sorted(trace.glob("latewrite-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def test_latewrite_shim_nixl_post_times_out_and_lands_on_trigger(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """NIXL: the KV post of a listed room reports ERR after ``timeout`` while the same handle is posted for real
+    when the trigger appears; other rooms and posts outside the KV send are untouched."""
+    trigger = tmp_path / "go"
+    shim = _latewrite_shim(monkeypatch, f"5:42:timeout=0.1:trigger={trigger}", tmp_path)
+    module = _fake_nixl_module()
+    shim._patch_nixl_manager(module)
+    mgr = module.NixlKVManager()
+    shim._tls.room = 43
+    assert mgr.send_kvcache("peer", [1, 2, 3]) is mgr.agent.posted[-1], "another room: untouched"
+    shim._tls.room = 42
+    mgr.agent.transfer("aux")  # the aux post of the same room: not a KV send, untouched
+    assert mgr.agent.posted[-1] == "aux"
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="failed to post"):
+        mgr.send_kvcache("peer", [1, 2, 3])
+    assert 0.1 <= time.monotonic() - started < 1.0
+    assert len(mgr.agent.posted) == 2, "the write is still pending"
+    trigger.touch()
+    deadline = time.monotonic() + 3
+    while len(mgr.agent.posted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    events = _trace_events(tmp_path)
+    assert [e["event"] for e in events] == ["engine_timeout", "late_write"]
+    late = events[1]
+    assert late["backend"] == "nixl" and late["room"] == 42 and late["blocks"] == 3 and late["triggered"]
+    assert late["mode"] == "timed_out" and late["status"] == 0
+    assert len(mgr.agent.posted) == 3
+
+
+def test_latewrite_shim_nixl_blocking_post(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    shim = _latewrite_shim(monkeypatch, "0.2:42", tmp_path)
+    module = _fake_nixl_module()
+    shim._patch_nixl_manager(module)
+    mgr = module.NixlKVManager()
+    shim._tls.room = 42
+    started = time.monotonic()
+    handle = mgr.send_kvcache("peer", [1, 2])
+    assert time.monotonic() - started >= 0.2
+    assert mgr.agent.posted == [handle]
+    assert [(e["event"], e["mode"]) for e in _trace_events(tmp_path)] == [("late_write", "blocking")]
+
+
+def test_demo_late_write_scenario_takes_a_backend(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_harden.testbed import latewrite
+
+    seen: dict[str, Any] = {}
+
+    def fake_report(pins: list[str], setup: Any = None, say: Any = None, **_: Any) -> dict[str, Any]:
+        seen.update(pins=pins, backend=setup.backend)
+        return {"scenario": "late-write", "backend": setup.backend, "ok": True,
+                "pins": {p: {"hardened": {"verdict": "clean", "corrupted_requests": 0}} for p in pins}}
+
+    monkeypatch.setattr(latewrite, "collect_report", fake_report)
+    monkeypatch.setattr(envs, "require_env", lambda pin: Path(sys.executable))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.run(parser.parse_args(["--scenario", "late-write", "--backend", "nixl", "--pin", "0.5.23"])) == 0
+    assert seen == {"pins": ["0.5.23"], "backend": "nixl"}
+    assert "nixl" in capsys.readouterr().out
+    assert demo.run(parser.parse_args(["--backend", "nixl", "--pin", "0.5.23"])) == 2  # incident: mooncake only

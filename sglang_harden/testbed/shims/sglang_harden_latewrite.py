@@ -1,26 +1,37 @@
-"""Fault injection (test-only): a Mooncake KV write that lands late. Enabled by SGLANG_HARDEN_TESTBED_LATE_WRITE.
+"""Fault injection (test-only): a KV write that lands late, Mooncake or NIXL. Env: SGLANG_HARDEN_TESTBED_LATE_WRITE.
 
 ``SGLANG_HARDEN_TESTBED_LATE_WRITE="<delay_s>:<room>[,<room>…][:timeout=<s>][:trigger=<path>]"`` acts on prefill's
-writes of the
-listed bootstrap rooms (``MooncakeKVManager._transfer_data``, the call into the transfer engine):
+KV writes of the listed bootstrap rooms:
+
+- Mooncake: ``MooncakeKVManager._transfer_data``, the call into the transfer engine;
+- NIXL: the post of the KV transfer handle (``nixl_agent.transfer`` called from inside
+  ``NixlKVManager.send_kvcache`` / ``send_kvcache_mixed`` / ``send_kvcache_slice``; the aux and state posts of the
+  same room are left alone).
+
+The two backends get the same three behaviours:
 
 - without ``timeout``: the transfer worker sleeps ``delay_s``, then writes (a slow write that blocks the worker;
-  Mooncake serialises all rooms of one decode session on one queue, so later transfers wait behind it);
+  Mooncake serialises all rooms of one decode session on one queue, so later transfers wait behind it; a NIXL
+  worker is blocked the same way and its room stays counted as in flight, so no drain ack goes out meanwhile);
 - with ``trigger=<path>``: the write lands as soon as ``path`` exists (the test creates it when a victim is
   decoding), at the latest after ``delay_s``;
-- with ``timeout=<s>``: the engine call gives up after ``s`` seconds and reports failure (-1), while the write
+- with ``timeout=<s>``: the engine call gives up after ``s`` seconds and reports failure, while the write
   itself still lands ``delay_s`` after it started, from another thread: a timed-out batch whose bytes are
-  still on the wire. This is the path upstream's drain ack cannot see (the worker has moved on). A failed
-  engine call makes prefill blacklist the decode session; 0.5s later the shim un-blacklists it the way
-  upstream's failed-session probe does on recovery (``_run_one_probe_pass``), so later requests flow again.
+  still on the wire. Mooncake: the call returns -1; this is the path upstream's drain ack cannot see (the worker
+  has moved on). A failed engine call makes prefill blacklist the decode session; 0.5s later the shim
+  un-blacklists it the way upstream's failed-session probe does on recovery (``_run_one_probe_pass``), so later
+  requests flow again. NIXL: the post returns ``"ERR"`` (0.5.23 raises its post error, fails the room, tells
+  decode, and "poisons" the room's drain ack: decode's only exit is then its release timeout), while the same
+  handle is posted for real later and its bytes land in decode's pages.
 
 Each late write is logged as one JSON line (room, when it started and landed) to
-``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/latewrite-<pid>.jsonl``. The room of the chunk being written is taken
-from the transfer worker's ``FastQueue.get`` on the same thread.
+``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/latewrite-<pid>.jsonl``; a timed-out call adds an ``engine_timeout`` line.
+The room of the chunk being written is taken from the transfer worker's ``FastQueue.get`` on the same thread.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -136,6 +147,109 @@ def _patch_manager(module: ModuleType) -> None:
     cls._sglang_harden_latewrite = True
 
 
+# ------------------------------------------------------------------------------------------------ nixl
+
+# SGLang's methods that post the KV write of a chunk (any pin that has them); aux/state posts are not delayed.
+NIXL_KV_SENDS = ("send_kvcache", "send_kvcache_mixed", "send_kvcache_slice")
+NIXL_SETTLE_LIMIT_S = 60.0
+
+
+def _settle(agent: Any, original: Any, handle: Any) -> str:
+    """Post ``handle`` through the agent's own ``transfer`` and wait until it is DONE or ERR."""
+    state = original(handle)
+    deadline = time.monotonic() + NIXL_SETTLE_LIMIT_S
+    while state == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.005)
+        state = agent.check_xfer_state(handle)
+    return str(state)
+
+
+def _late_nixl(agent: Any, original: Any, handle: Any, room: int, pages: int, mode: str) -> str:
+    started = time.time()
+    _wait(_nixl_delay)
+    state = _settle(agent, original, handle)
+    _emit(
+        {
+            "event": "late_write",
+            "mode": mode,
+            "backend": "nixl",
+            "room": room,
+            "delayed_s": round(time.time() - started, 3),
+            "triggered": _trigger is not None and _trigger.exists(),
+            "started": started,
+            "t": time.time(),
+            "status": 0 if state == "DONE" else -1,
+            "state": state,
+            "blocks": pages,
+        }
+    )
+    return state
+
+
+_nixl_delay = 0.0
+
+
+def _wrap_agent(agent: Any, rooms: set[int], timeout: float | None) -> None:
+    original = agent.transfer
+    if getattr(original, "_sglang_harden_latewrite", False):
+        return
+
+    def transfer(handle: Any, *args: Any, **kwargs: Any) -> str:
+        room, pages = getattr(_tls, "room", None), getattr(_tls, "kv_pages", None)
+        if room not in rooms or not pages or args or kwargs:
+            return original(handle, *args, **kwargs)
+        if timeout is None:
+            return _late_nixl(agent, original, handle, room, pages, "blocking")
+        threading.Thread(target=_late_nixl, args=(agent, original, handle, room, pages, "timed_out"),
+                         daemon=True).start()
+        time.sleep(timeout)
+        _emit({"event": "engine_timeout", "backend": "nixl", "room": room, "t": time.time(), "timeout_s": timeout})
+        return "ERR"
+
+    transfer._sglang_harden_latewrite = True  # type: ignore[attr-defined]
+    agent.transfer = transfer
+
+
+def _marks_kv_send(original: Any) -> Any:
+    """Marks the thread while SGLang posts a KV write; keeps ``original``'s attributes (an sglang-harden hook's
+    mark among them, so the guard's start-up check still finds its hook under this wrapper)."""
+
+    @functools.wraps(original)
+    def send(self: Any, peer_name: Any, prefill_kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        _tls.kv_pages = len(prefill_kv_indices)
+        try:
+            return original(self, peer_name, prefill_kv_indices, *args, **kwargs)
+        finally:
+            _tls.kv_pages = None
+
+    return send
+
+
+def _patch_nixl_manager(module: ModuleType) -> None:
+    global _nixl_delay
+    cls = module.NixlKVManager
+    if getattr(cls, "_sglang_harden_latewrite", False):
+        return
+    delay, rooms, timeout = parse(os.environ[ENV])
+    _nixl_delay = delay
+    sends = [name for name in NIXL_KV_SENDS if hasattr(cls, name)]
+    if "send_kvcache" not in sends:
+        raise RuntimeError("latewrite shim: NixlKVManager.send_kvcache not found on this SGLang pin")
+    for name in sends:
+        setattr(cls, name, _marks_kv_send(getattr(cls, name)))
+    original_init = cls.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        agent = getattr(self, "agent", None)
+        if agent is not None:
+            _wrap_agent(agent, rooms, timeout)
+
+    cls.__init__ = init
+    cls._sglang_harden_latewrite = True
+
+
 def install() -> None:
     when_imported("sglang.srt.disaggregation.common.utils", _patch_queue)
     when_imported("sglang.srt.disaggregation.mooncake.conn", _patch_manager)
+    when_imported("sglang.srt.disaggregation.nixl.conn", _patch_nixl_manager)
