@@ -21,7 +21,10 @@ same ratio, with the noise of separate pairs taken out.
 
     python3 scripts/bench_digest_pd.py --pin 0.5.19 --json
 
-Run it on a quiet machine: with other servers running, the medians carry their noise.
+Run it on a quiet machine: with other servers running, the medians carry their noise. On a 2-core machine
+every idle SGLang scheduler spins on a core, so each HTTP answer the digest waits for (prefill's publish,
+decode's query) first waits for a CPU; ``--server-flag=--sleep-on-idle`` (given to every server of every
+variant) measures the same pairs without that contention.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=30, help="measured requests per variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--passes", type=int, default=1)
+    p.add_argument("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
+                   help="extra flag for every server of every variant (repeat), e.g. --server-flag=--sleep-on-idle")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
 
-def start(pin: str, backend: str, variant: str, log_dir: Path) -> PDPair:
+def start(pin: str, backend: str, variant: str, log_dir: Path, flags: list[str]) -> PDPair:
     launcher, env = VARIANTS[variant]
     pair = PDPair(
         pin,
@@ -71,6 +76,8 @@ def start(pin: str, backend: str, variant: str, log_dir: Path) -> PDPair:
         env=env,
         launcher_module=launcher,
         log_dir=log_dir / variant,
+        prefill_flags=flags,
+        decode_flags=flags,
     )
     return pair.start()
 
@@ -103,7 +110,7 @@ def measure(args: argparse.Namespace, log_root: Path) -> tuple[dict[str, list[fl
     for n in range(args.passes):
         for variant in order if n % 2 == 0 else order[::-1]:
             print(f"[bench-digest-pd] pass {n + 1}: {variant} (logs {log_root / variant})", file=sys.stderr)
-            pair = start(args.pin, args.backend, variant, log_root / f"pass{n + 1}")
+            pair = start(args.pin, args.backend, variant, log_root / f"pass{n + 1}", args.server_flags)
             try:
                 times[variant] += measure_one(pair, variant, args)
                 if variant == "hardened":
@@ -137,6 +144,7 @@ def report(measured: tuple[dict[str, list[float]], list[dict]], args: argparse.N
         "new_tokens": args.new_tokens,
         "requests": args.requests,
         "passes": args.passes,
+        "server_flags": args.server_flags,
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "min_s": {k: round(v, 4) for k, v in low.items()},
         "ratio_median": {
