@@ -12,12 +12,11 @@ quiesce, 1 otherwise (or on an error), so CI can gate on it. Vanilla corruption 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from sglang_harden.testbed.latewrite import BACKENDS, LateWriteSetup, collect_report
+from sglang_harden.testbed.latewrite import BACKENDS, LateWriteSetup, collect_report, print_report
 
 
 def _say(msg: str) -> None:
@@ -43,14 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine_timeout_s=None if args.blocking else LateWriteSetup.engine_timeout_s)
     report = collect_report(args.pins or ["0.5.19", "0.5.23"], tuple(args.variants or ("vanilla", "hardened")),
                             setup, args.log_dir, _say)
-    if args.json:
-        print(json.dumps(report, default=str))
-    else:
-        for pin, variants in report["pins"].items():
-            for variant, res in variants.items():
-                print(f"{pin:8} {report['backend']:8} {variant:9} served={res.get('served_requests')} "
-                      f"corrupted={res.get('corrupted_requests')} late_write_at={res.get('late_write_t_rel')}s "
-                      f"pages_back={res.get('pages_back_at_quiesce')} verdict={res.get('verdict')}")
+    print_report(report, args.json)
     return 0 if report["ok"] else 1
 
 

@@ -360,3 +360,15 @@ def collect_report(
             if res.get("verdict") == "error" or (variant == "hardened" and res.get("verdict") != "clean"):
                 report["ok"] = False
     return report
+
+
+def print_report(report: dict[str, Any], as_json: bool) -> None:
+    """``report`` (from :func:`collect_report`) as one JSON document or one line per pin and variant."""
+    if as_json:
+        print(json.dumps(report, default=str))
+        return
+    for pin, variants in report["pins"].items():
+        for variant, res in variants.items():
+            print(f"{pin:8} {report['backend']:8} {variant:9} served={res.get('served_requests')} "
+                  f"corrupted={res.get('corrupted_requests')} late_write_at={res.get('late_write_t_rel')}s "
+                  f"pages_back={res.get('pages_back_at_quiesce')} verdict={res.get('verdict')}")

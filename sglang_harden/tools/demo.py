@@ -213,17 +213,10 @@ def run(args: argparse.Namespace) -> int:
 def run_late_write(pins: Sequence[str], backend: str, as_json: bool) -> int:
     """The late-write scenario, vanilla vs hardened per pin; 0 when every hardened run is clean with every page
     back at quiesce."""
-    from sglang_harden.testbed.latewrite import LateWriteSetup, collect_report
+    from sglang_harden.testbed.latewrite import LateWriteSetup, collect_report, print_report
 
     report = collect_report(list(pins), setup=LateWriteSetup(backend=backend), say=_progress)
-    if as_json:
-        print(json.dumps(report, default=str))
-    else:
-        for pin, variants in report["pins"].items():
-            for variant, res in variants.items():
-                print(f"{pin:8} {backend:8} {variant:9} served={res.get('served_requests')} "
-                      f"corrupted={res.get('corrupted_requests')} late_write_at={res.get('late_write_t_rel')}s "
-                      f"pages_back={res.get('pages_back_at_quiesce')} verdict={res.get('verdict')}")
+    print_report(report, as_json)
     return 0 if report["ok"] else 1
 
 

@@ -212,7 +212,9 @@ def _scheduler_with_table(rows: list[int]) -> Any:
     return SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=table))
 
 
-def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
+def _checked_transfer_of_b(allocator: Any) -> tuple[DecodeNode, Any, Any, Any, Any]:
+    """B's 16 pages reserved, written and committed; its page table passes the check: (node, pages, transfer,
+    request, scheduler)."""
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node
     a = allocator.alloc(16)
@@ -223,7 +225,11 @@ def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
                           prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
     scheduler = _scheduler_with_table(a.tolist())
     assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+    return node, a, transfer, req, scheduler
 
+
+def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
+    node, a, transfer, req, scheduler = _checked_transfer_of_b(allocator)
     # test hook: hand one page of B's table to another owner (what a late/foreign write would mean)
     victim = int(a[3])
     node.ledger.release(transfer.owner, [victim], writer_drained=True)
@@ -235,16 +241,7 @@ def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
 def test_page_tags_read_the_live_page_table(allocator: Any) -> None:
     """The check reads the page table as it is now: a row rewritten after an earlier check (the numpy view is
     shared with the tensor), and a table object the scheduler replaced, are both seen."""
-    node = DecodeNode.for_allocator(allocator, cap=40)
-    lifecycle_v05.NODE = node
-    a = allocator.alloc(16)
-    _publish(Receiver(ROOM_B), a)
-    transfer = node.finish(ROOM_B)
-    assert transfer is not None
-    req = SimpleNamespace(rid="req-b", origin_input_ids=list(range(16)), req_pool_idx=1, kv=None,
-                          prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
-    scheduler = _scheduler_with_table(a.tolist())
-    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+    node, a, transfer, req, scheduler = _checked_transfer_of_b(allocator)
     foreign = allocator.alloc(1)
     scheduler.req_to_token_pool.req_to_token[1, 5] = int(foreign[0])  # a slot the transfer never wrote
     assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ABORT
@@ -370,15 +367,21 @@ def test_idle_leak_check_counts_quarantined_pages(allocator: Any) -> None:
     assert not leak, msg
 
 
+def _prefill_node_with_short_lifetime(sglang_modules: dict[str, Any]) -> PrefillNode:
+    """The prefill node of this process over a real allocator, a failed write living 0.2 s."""
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    node.lifetime_s = 0.2
+    lifecycle_v05.NODE = node
+    return node
+
+
 def test_poisoned_room_is_acked_after_the_write_lifetime(sglang_modules: dict[str, Any]) -> None:
     """0.5.23 never acks a room whose engine call failed ("poisoned"); we keep its ack target and ack once the
     sender's write lifetime passed, so decode's quarantine ends without a bare-timeout release."""
     import time
 
-    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
-    node = PrefillNode.for_allocator(alloc)
-    node.lifetime_s = 0.2
-    lifecycle_v05.NODE = node
+    node = _prefill_node_with_short_lifetime(sglang_modules)
     try:
         sent: list[Any] = []
         mgr = SimpleNamespace(request_status={}, _staging_outstanding={}, transfer_infos={},
@@ -456,10 +459,7 @@ def test_poison_keeps_the_registered_ack_target(sglang_modules: dict[str, Any]) 
     after the write lifetime, so decode's quarantine ends on the sender's word, never on a bare timeout."""
     import time
 
-    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
-    node = PrefillNode.for_allocator(alloc)
-    node.lifetime_s = 0.2
-    lifecycle_v05.NODE = node
+    node = _prefill_node_with_short_lifetime(sglang_modules)
     try:
         sent: list[Any] = []
         target = SimpleNamespace(ip="127.0.0.1", port=9, generation=3)
