@@ -35,6 +35,10 @@ PINS = list(load_pins())
 SETUP = IncidentSetup(waiting_timeout_s=60)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_BOUND_S = 5.0
+# A refusal that comes after prefill's forward and the transfer (short send, retired final send): on a loaded
+# CI host the forward alone took 7.5 s; still far below the 60 s waiting timeout a decode that was not told
+# would sit out.
+AFTER_FORWARD_BOUND_S = 30.0
 HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
 NORMAL_SEEDS = (11, 12, 13)
 RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
@@ -217,7 +221,7 @@ def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     h = hardened.generate(body, timeout=SETUP.waiting_timeout_s + 60)
     _assert_decode_refused(h.decode, "prefill sent KV for 250 tokens but decode reserved 300", pin)
     assert not _decode_generated_for(hardened, "trunc-B")
-    assert h.decode.elapsed_s < PROMPT_BOUND_S
+    assert h.decode.elapsed_s < AFTER_FORWARD_BOUND_S, h.decode.summary()
     assert _wait_pool_full(hardened.decode).get("available_tokens") is not None
 
 
@@ -237,7 +241,7 @@ def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: s
     body = greedy_body(tenant_a_prompt(5, 120), SETUP.new_tokens, rid=f"{RETIRE_PREFIX}hardened")
     h = hardened.generate(body, timeout=SETUP.waiting_timeout_s + 60)
     _assert_decode_refused(h.decode, "final KV", pin)
-    assert h.decode.elapsed_s < PROMPT_BOUND_S, h.decode.summary()
+    assert h.decode.elapsed_s < AFTER_FORWARD_BOUND_S, h.decode.summary()
     assert not _decode_generated_for(hardened, f"{RETIRE_PREFIX}hardened")
     assert _retire_count(hardened.prefill) >= 1
 
