@@ -16,7 +16,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from sglang_harden.testbed.latewrite import BACKENDS, LateWriteSetup, collect_report, print_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_harden.testbed.latewrite import (  # noqa: E402
+    BACKENDS,
+    LateWriteSetup,
+    collect_report,
+    print_report,
+)
 
 
 def _say(msg: str) -> None:
