@@ -730,9 +730,7 @@ def _capture_ack_target(original: Func) -> Func:
             node.kv_mgr = node.kv_mgr or self
             if "target" in bound:
                 target = bound["target"]
-                merged = dict(node.orphan_targets.get(int(room)) or {})
-                merged[(target.ip, target.port)] = target
-                node.orphan_targets[int(room)] = merged
+                _keep_ack_targets(node, int(room), {(target.ip, target.port): target})
             else:
                 node.orphan_targets[int(room)] = (bound["decode_ip"], bound["decode_port"])
         return original(self, room, *args, **kwargs)
@@ -812,14 +810,19 @@ def _keep_poisoned_target(original: Func) -> Func:
             node.kv_mgr = node.kv_mgr or self
             if int(room) not in node.failed_writes:
                 node.note_failed_write([int(room)])
-            target = getattr(self, "_deferred_ack_targets", {}).get(room)
-            if target:
-                merged = dict(node.orphan_targets.get(int(room)) or {})
-                merged.update(target)
-                node.orphan_targets[int(room)] = merged
+            targets = getattr(self, "_deferred_ack_targets", {}).get(room)
+            if targets:
+                _keep_ack_targets(node, int(room), targets)
         return original(self, room, *args, **kwargs)
 
     return poison
+
+
+def _keep_ack_targets(node: PrefillNode, room: int, targets: dict[Any, Any]) -> None:
+    """Add ``targets`` (``{(ip, port): target}``) to the room's kept drain-ack targets."""
+    merged = dict(node.orphan_targets.get(room) or {})
+    merged.update(targets)
+    node.orphan_targets[room] = merged
 
 
 def _rooms_in_flight(mgr: Any, session: str) -> list[int]:
