@@ -6,35 +6,54 @@ through prefill's bootstrap server (the one decode already talks to), next to th
 - ``PUT /sglang_harden/digest``             a prefill rank posts ``{room, rank, values}`` (packed shard)
 - ``GET /sglang_harden/digests?room=R``     decode reads every rank's shard for the room, and whether this
                                             prefill publishes digests at all (``publishing``)
+- ``GET /sglang_harden/digest_feed?since=C&epoch=E&wait_ms=W``
+                                            every post after cursor ``C``, answered as soon as there is one
+                                            (or after ``W`` ms): decode's feed reader (:class:`DigestFeed`)
 
-Prefill posts synchronously, before the final KV send is issued, so a digest is on the board before decode can
-see the transfer finish; decode still waits a bounded time at its commit (an HTTP answer can be slow on a busy
-host) and, when a publishing prefill's digest does not arrive within it, reports that it timed out (the guard
-then fails closed). This module knows no SGLang names.
+Neither side waits for the channel on its scheduler thread when it need not. Prefill hands the post to a
+background thread (:class:`DigestPublisher`), so the send is not delayed by an HTTP round trip; decode starts
+reading the feed of a prefill node as soon as a receiver for one of its rooms exists, so the digest is usually
+already in decode's memory when the transfer finishes. At commit decode waits a bounded time
+(``checksum_wait_ms``) for the room's digests; a room the feed does not cover (the reader started after the
+room was registered, prefill restarted, the feed dropped posts, prefill is an older build) is looked up
+directly (:func:`fetch_digests`). When a publishing prefill's digest does not arrive within the wait, decode
+reports that it timed out (the guard then fails closed). This module knows no SGLang names.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
+import os
+import queue
 import threading
 import time
 import urllib.parse
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger("sglang_harden")
 
 DIGEST_PATH = "/sglang_harden/digest"
 DIGESTS_PATH = "/sglang_harden/digests"
+FEED_PATH = "/sglang_harden/digest_feed"
 BOARD_CAPACITY = 16384
 BOARD_TTL_S = 900.0
 HTTP_TIMEOUT_S = 2.0
 MAX_VALUES = 4096
 MAX_RANKS = 1024
 WAIT_POLL_S = 0.002
+FEED_WAIT_MS = 1000  # how long one feed query may wait for a post (the reader re-asks; it is not a deadline)
+FEED_MAX_WAIT_MS = 10_000
+FEED_MAX_POSTS = 512  # posts per feed answer; the reader asks again at once for the rest
+FEED_RETRY_S = 0.05
+FEED_IDLE_EXIT_S = 30.0  # a reader with no room to watch for this long stops (a new room restarts it)
+PENDING_TTL_S = 900.0  # a watched room nobody committed (aborted, lost) is forgotten after this
+PUBLISH_QUEUE_CAP = 4096
 
 
 @dataclass(frozen=True)
@@ -45,12 +64,18 @@ class PublishedShard:
 
 
 class DigestBoard:
-    """Per room, the packed shard digest of each prefill rank; bounded in count and time (oldest first)."""
+    """Per room, the packed shard digest of each prefill rank; bounded in count and time (oldest first).
+
+    Every post also gets a sequence number in a bounded log, which :meth:`feed` reads from a cursor. ``epoch``
+    names this board's lifetime, so a reader notices a restarted prefill (its sequence starts again)."""
 
     def __init__(self, capacity: int = BOARD_CAPACITY, ttl_s: float = BOARD_TTL_S) -> None:
         self._capacity = capacity
         self._ttl_s = ttl_s
         self._rooms: OrderedDict[int, tuple[float, dict[int, tuple[int, ...]]]] = OrderedDict()
+        self._log: deque[tuple[int, PublishedShard]] = deque(maxlen=capacity)
+        self._seq = 0
+        self.epoch = os.urandom(8).hex()
         self._lock = threading.Lock()
 
     def post(self, shard: PublishedShard) -> None:
@@ -61,6 +86,8 @@ class DigestBoard:
             self._rooms[shard.room] = (stamp, ranks)
             while len(self._rooms) > self._capacity:
                 self._rooms.popitem(last=False)
+            self._seq += 1
+            self._log.append((self._seq, shard))
 
     def lookup(self, room: int) -> dict[int, tuple[int, ...]]:
         now = time.monotonic()
@@ -73,8 +100,53 @@ class DigestBoard:
             entry = self._rooms.get(room)
             return dict(entry[1]) if entry else {}
 
+    def feed(self, since: int | None, limit: int = FEED_MAX_POSTS) -> tuple[int, bool, list[PublishedShard]]:
+        """``(cursor, complete, posts)``: the posts after ``since`` (at most ``limit``, oldest first) and the
+        cursor to ask from next. ``complete`` is False when posts after ``since`` were already dropped from the
+        log, or ``since`` is not a cursor of this board; then ``posts`` is empty and the cursor is the newest."""
+        with self._lock:
+            oldest = self._log[0][0] if self._log else self._seq + 1
+            if since is None or since > self._seq or since + 1 < oldest:
+                return self._seq, False, []
+            posts = [shard for seq, shard in self._log if seq > since][:limit]
+            return since + len(posts), True, posts
+
+    def newest(self) -> int:
+        with self._lock:
+            return self._seq
+
+
+class PostSignal:
+    """Wakes feed queries that wait for the next post. Used on the bootstrap server's event loop only (the
+    PUT handler calls :meth:`notify`, the feed handler awaits :meth:`wait`)."""
+
+    def __init__(self) -> None:
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    async def wait(self, timeout_s: float) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(waiter)
+
+    def notify(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
 
 BOARD = DigestBoard()
+POSTED = PostSignal()
+
+
+def post_and_signal(shard: PublishedShard) -> None:
+    """The PUT handler's action: put the shard on the board and wake the feed queries waiting for a post."""
+    BOARD.post(shard)
+    POSTED.notify()
 
 
 def parse_digest_body(body: bytes) -> PublishedShard:
@@ -97,17 +169,80 @@ def digests_payload(room: int, publishing: bool, board: DigestBoard | None = Non
     return {"publishing": publishing, "shards": {str(rank): list(values) for rank, values in shards.items()}}
 
 
+@dataclass(frozen=True)
+class FeedQuery:
+    since: int | None
+    epoch: str
+    wait_s: float
+
+
+def parse_feed_query(query: dict[str, str]) -> FeedQuery:
+    """Validate a feed query's parameters; raise ValueError with a short reason on anything malformed."""
+    try:
+        since = int(query["since"]) if query.get("since", "") != "" else None
+        wait_ms = int(query.get("wait_ms", "0"))
+    except ValueError:
+        raise ValueError("since and wait_ms must be integers") from None
+    if since is not None and since < 0:
+        raise ValueError("since must be >= 0")
+    if not 0 <= wait_ms <= FEED_MAX_WAIT_MS:
+        raise ValueError(f"wait_ms must be in [0, {FEED_MAX_WAIT_MS}]")
+    return FeedQuery(since, query.get("epoch", ""), wait_ms / 1000)
+
+
+def feed_payload(ask: FeedQuery, publishing: bool, board: DigestBoard | None = None) -> dict[str, object]:
+    """The answer to a feed query; a query of another epoch (prefill restarted) is answered as incomplete."""
+    board = board or BOARD
+    since = ask.since if ask.epoch == board.epoch else None
+    cursor, complete, posts = board.feed(since)
+    return {
+        "publishing": publishing,
+        "epoch": board.epoch,
+        "cursor": cursor,
+        "complete": complete,
+        "posts": [[p.room, p.rank, list(p.values)] for p in posts],
+    }
+
+
+def feed_has_news(ask: FeedQuery, board: DigestBoard | None = None) -> bool:
+    """Whether a feed query can be answered at once (something posted after it, or it needs resetting)."""
+    board = board or BOARD
+    return ask.since is None or ask.epoch != board.epoch or board.newest() != ask.since
+
+
 class DigestPublisher:
-    """Posts shard digests to the local bootstrap server on the caller's thread, over a kept-alive connection
-    (:data:`CONNECTIONS`), so a digest is on the board before the send it vouches for is issued. Returns
-    whether the board took it."""
+    """Posts shard digests to the local bootstrap server over a kept-alive connection (:data:`CONNECTIONS`).
+
+    :meth:`publish` only queues the post: a background thread sends the posts in order, so the scheduler's
+    send does not wait for an HTTP round trip. Decode waits (bounded) for a digest that is not there yet, so
+    a post that lands after the KV is still in time; one that never lands makes decode refuse the request.
+    The queue is bounded: past :data:`PUBLISH_QUEUE_CAP` posts waiting, a post is dropped and logged.
+    :meth:`publish_now` posts on the caller's thread and returns whether the board took it."""
 
     def __init__(self, base_url: str, timeout_s: float = HTTP_TIMEOUT_S) -> None:
         self._addr = urllib.parse.urlsplit(base_url).netloc
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
+        self._queue: queue.Queue[PublishedShard] = queue.Queue(PUBLISH_QUEUE_CAP)
+        self._sender: threading.Thread | None = None
+        self._start_lock = threading.Lock()
 
-    def publish(self, shard: PublishedShard) -> bool:
+    def publish(self, shard: PublishedShard) -> None:
+        self._ensure_sender()
+        try:
+            self._queue.put_nowait(shard)
+        except queue.Full:
+            logger.error("sglang-harden: %d digests are waiting to be posted to %s; dropped the digest of room %s"
+                         " (decode will refuse that request)", PUBLISH_QUEUE_CAP, self._base_url, shard.room)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued post was sent (tests, shutdown); whether that happened in time."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._queue.unfinished_tasks
+
+    def publish_now(self, shard: PublishedShard) -> bool:
         body = json.dumps({"room": shard.room, "rank": shard.rank, "values": list(shard.values)}).encode()
         try:
             status, _ = CONNECTIONS.request("PUT", self._addr, DIGEST_PATH, self._timeout_s, body)
@@ -120,6 +255,23 @@ class DigestPublisher:
                          shard.room, status)
         return status == 200
 
+    def _ensure_sender(self) -> None:
+        if self._sender is not None:
+            return
+        with self._start_lock:
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_forever, name="sglang-harden-digest-post",
+                                                daemon=True)
+                self._sender.start()
+
+    def _send_forever(self) -> None:
+        while True:
+            shard = self._queue.get()
+            try:
+                self.publish_now(shard)
+            finally:
+                self._queue.task_done()
+
 
 @dataclass(frozen=True)
 class Fetched:
@@ -128,6 +280,7 @@ class Fetched:
     shards: dict[int, tuple[int, ...]]
     reason: str = ""
     timed_out: bool = False  # the wait ran out: prefill did not answer, or not with every digest needed
+    via: str = "board"  # "feed": decode's feed reader had them; "board": queried from prefill's board
 
 
 class KeptAlive:
@@ -221,3 +374,141 @@ def _why_not(
     what = "not every rank's digest" if shards else "no digest"
     last = f" (last query failed: {failure})" if failure else ""
     return f"prefill published {what} for room {room} within {wait_s} s{last}"
+
+
+@dataclass
+class _Watched:
+    receiver: weakref.ref[object]
+    since: float
+    covered: bool  # the reader had a cursor when the room was registered: every post for it comes through
+    shards: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class _Prefill:
+    """What decode's reader of one prefill node's feed knows."""
+
+    rooms: dict[int, _Watched] = field(default_factory=dict)
+    epoch: str = ""
+    cursor: int | None = None
+    usable: bool = True  # False: no feed route (older or unhardened prefill) or not publishing
+    running: bool = False
+
+
+class DigestFeed:
+    """Decode's reader of prefill digest feeds: one thread per prefill bootstrap address with rooms to watch.
+
+    :meth:`watch` registers a room when its receiver is made; the address's thread asks that prefill's feed
+    for every post after its cursor (each query waits up to :data:`FEED_WAIT_MS` for one) and keeps the shards
+    of watched rooms. :meth:`take` hands a room's shards to the commit, waiting a bounded time, or returns
+    ``None`` when the feed cannot vouch that it saw every post for the room; the caller then asks the board
+    directly. Rooms are forgotten when taken, when their receiver is gone, or after :data:`PENDING_TTL_S`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._prefills: dict[str, _Prefill] = {}
+
+    def watch(self, addr: str, room: int, receiver: object) -> None:
+        with self._cond:
+            prefill = self._prefills.setdefault(addr, _Prefill())
+            covered = prefill.cursor is not None and prefill.usable
+            prefill.rooms[room] = _Watched(weakref.ref(receiver), time.monotonic(), covered)
+            if not prefill.running:
+                prefill.running = True
+                threading.Thread(target=self._read, args=(addr, prefill), name="sglang-harden-digest-feed",
+                                 daemon=True).start()
+
+    def take(
+        self, addr: str, room: int, wait_s: float, enough: Callable[[dict[int, tuple[int, ...]]], bool]
+    ) -> Fetched | None:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            prefill = self._prefills.get(addr)
+            watched = prefill.rooms.get(room) if prefill is not None else None
+            if prefill is None or watched is None:
+                return None
+            try:
+                while watched.covered and prefill.usable:
+                    if enough(watched.shards):
+                        return Fetched(dict(watched.shards), via="feed")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._cond.wait(left)
+                return None
+            finally:
+                prefill.rooms.pop(room, None)
+
+    def _read(self, addr: str, prefill: _Prefill) -> None:
+        idle_since = time.monotonic()
+        while True:
+            with self._cond:
+                self._forget_stale(prefill)
+                if prefill.rooms:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > FEED_IDLE_EXIT_S or not prefill.usable:
+                    prefill.running = False
+                    return
+                since, epoch = prefill.cursor, prefill.epoch
+            answer = self._ask(addr, since, epoch)
+            if answer is None:
+                time.sleep(FEED_RETRY_S)
+            elif not self._take_answer(prefill, answer):
+                time.sleep(FEED_RETRY_S)
+
+    def _forget_stale(self, prefill: _Prefill) -> None:
+        now = time.monotonic()
+        for room, watched in list(prefill.rooms.items()):
+            if watched.receiver() is None or now - watched.since > PENDING_TTL_S:
+                del prefill.rooms[room]
+
+    def _ask(self, addr: str, since: int | None, epoch: str) -> dict[str, object] | None:
+        wait_ms = FEED_WAIT_MS if since is not None else 0
+        path = f"{FEED_PATH}?since={'' if since is None else since}&epoch={epoch}&wait_ms={wait_ms}"
+        try:
+            status, body = CONNECTIONS.request("GET", addr, path, wait_ms / 1000 + HTTP_TIMEOUT_S)
+        except (http.client.HTTPException, OSError) as exc:
+            logger.debug("sglang-harden: digest feed of %s did not answer: %r", addr, exc)
+            return None
+        if status == 404:
+            return {"publishing": False}
+        try:
+            data = json.loads(body) if status == 200 else None
+        except ValueError:
+            data = None
+        return data if isinstance(data, dict) else None
+
+    def _take_answer(self, prefill: _Prefill, answer: dict[str, object]) -> bool:
+        """Apply one feed answer; False when it brought nothing new (the reader then pauses briefly)."""
+        with self._cond:
+            if not answer.get("publishing", False):
+                prefill.usable = False
+                self._cond.notify_all()
+                return False
+            cursor, epoch, posts = answer.get("cursor"), answer.get("epoch"), answer.get("posts")
+            if not isinstance(cursor, int) or not isinstance(epoch, str) or not isinstance(posts, list):
+                return False
+            if not answer.get("complete", False):
+                for watched in prefill.rooms.values():
+                    watched.covered = False
+            fresh = cursor != prefill.cursor or epoch != prefill.epoch
+            prefill.cursor, prefill.epoch = cursor, epoch
+            for room, rank, values in posts:
+                watched = prefill.rooms.get(room)
+                if watched is not None:
+                    watched.shards[int(rank)] = tuple(int(v) for v in values)
+            self._cond.notify_all()
+            return fresh
+
+
+def receive_digests(
+    feed: DigestFeed | None, addr: str, room: int, wait_s: float,
+    enough: Callable[[dict[int, tuple[int, ...]]], bool],
+) -> Fetched:
+    """The room's shards for decode's commit: from the feed when it vouches for the room, else (or when the
+    feed's wait ran out) straight from prefill's board for whatever is left of ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    fetched = feed.take(addr, room, wait_s, enough) if feed is not None else None
+    if fetched is not None:
+        return fetched
+    return fetch_digests(addr, room, max(deadline - time.monotonic(), 0.0), enough)

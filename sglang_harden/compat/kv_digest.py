@@ -2,7 +2,8 @@
 
 Prefill, when a request's final chunk is about to be sent, digests the request's KV rows for exactly the
 token range it sends (``[decode's cached prefix, sent end)``) on each TP rank and posts the packed shard to its
-bootstrap server (:mod:`.digest_channel`) before the send is issued, or a notice saying why it has none.
+bootstrap server (:mod:`.digest_channel`, posted by a background thread as the send is issued), or a notice
+saying why it has none.
 Decode, before committing a finished transfer, digests the rows at its own slots for ``[prefill's start,
 reserved length)``, compares per head (:func:`checksum.compare`), and when its TP group has more than one rank,
 agrees with the other ranks over the queue's gloo group within a bound (:func:`checksum.agree_across_ranks`).
@@ -253,8 +254,9 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
 
     wait_s = RUNTIME.config.checksum_wait_ms / 1000
     began = time.perf_counter()
-    fetched = digest_channel.fetch_digests(addr, int(req.bootstrap_room), wait_s, decidable)
+    fetched = digest_channel.receive_digests(RUNTIME.feed, addr, int(req.bootstrap_room), wait_s, decidable)
     TIMER.add("verify.fetch", time.perf_counter() - began)
+    TIMER.add(f"verify.fetch.{fetched.via}", time.perf_counter() - began)
     notices = _notices(fetched.shards)
     if notices:
         return _decide_on_notices(rid, notices)

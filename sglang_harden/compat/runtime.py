@@ -29,6 +29,7 @@ class Runtime:
     publisher: notify.Publisher | None = None
     digest_publisher: digest_channel.DigestPublisher | None = None
     watcher: notify.DecodeWatcher | None = None
+    feed: digest_channel.DigestFeed | None = None
     # Decode's KV pool (set at its scheduler's start-up), where the canary stamps pages.
     decode_kv_pool: Any = None
     # Set by the lifecycle adapter on decode: prefill said it never queued a write for (room, bootstrap addr).
@@ -55,6 +56,15 @@ class Runtime:
             if self.watcher is None:
                 self.watcher = notify.DecodeWatcher(on_abort)
             return self.watcher
+
+    def digest_feed(self) -> digest_channel.DigestFeed | None:
+        """Decode's reader of prefill digest feeds (made on first use), or None with the checksum guard off."""
+        if self.config.checksum.value == "off":
+            return None
+        with self._lock:
+            if self.feed is None:
+                self.feed = digest_channel.DigestFeed()
+            return self.feed
 
     def log_active(self, role: str) -> None:
         logger.warning(

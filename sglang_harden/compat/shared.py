@@ -152,6 +152,7 @@ def bootstrap_routes(original: Func) -> Func:
         self.app.router.add_get(notify.ABORTS_PATH, handle_aborts_get)
         self.app.router.add_put(digest_channel.DIGEST_PATH, handle_digest_put)
         self.app.router.add_get(digest_channel.DIGESTS_PATH, handle_digests_get)
+        self.app.router.add_get(digest_channel.FEED_PATH, handle_digest_feed_get)
         return result
 
     return setup_routes
@@ -170,7 +171,7 @@ def _from_this_host(request: Any) -> bool:
 async def handle_digest_put(request: Any) -> Any:
     """Only the prefill node's own schedulers post digests (same host); anyone else gets 403."""
     return await _accept_from_this_host(request, "digests", 256 * 1024, digest_channel.parse_digest_body,
-                                        digest_channel.BOARD.post)
+                                        digest_channel.post_and_signal)
 
 
 async def _accept_from_this_host(request: Any, what: str, limit: int, parse: Callable[[bytes], Any],
@@ -199,6 +200,20 @@ async def handle_digests_get(request: Any) -> Any:
     return web.json_response(digest_channel.digests_payload(room, publishing))
 
 
+async def handle_digest_feed_get(request: Any) -> Any:
+    """Decode's feed reader: every digest posted after its cursor, answered as soon as there is one."""
+    from aiohttp import web
+
+    try:
+        ask = digest_channel.parse_feed_query(dict(request.query))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    if not digest_channel.feed_has_news(ask) and ask.wait_s > 0:
+        await digest_channel.POSTED.wait(ask.wait_s)
+    publishing = RUNTIME.config.checksum is not Mode.OFF
+    return web.json_response(digest_channel.feed_payload(ask, publishing))
+
+
 async def handle_aborts_get(request: Any) -> Any:
     from aiohttp import web
 
@@ -215,6 +230,9 @@ def watch_receiver(original: Func) -> Func:
         watcher = RUNTIME.decode_watcher(fail_receiver_room)
         if bootstrap_room is not None and watcher is not None:
             watcher.watch(bootstrap_addr, int(bootstrap_room), self)
+        feed = RUNTIME.digest_feed()
+        if bootstrap_room is not None and feed is not None:
+            feed.watch(bootstrap_addr, int(bootstrap_room), self)
         return result
 
     return init

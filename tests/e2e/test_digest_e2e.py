@@ -140,6 +140,17 @@ def test_clean_requests_are_verified_and_unchanged(pairs: dict[str, PDPair]) -> 
     # The ledger learns a transfer finished without the page-tag hook: clean requests' pages are freed,
     # not quarantined.
     assert decisions.get("lifecycle:quarantine", 0) == 0, decisions
+    # Decode's feed reader had the digests of the rooms it watched from its start; the first room of a reader
+    # (registered before it had a cursor) is read from prefill's board.
+    fetches = _decode_digest_time(pairs["hardened"])
+    assert fetches.get("verify.fetch.feed", {}).get("count", 0) >= len(CLEAN_ROOMS) - 1, fetches
+
+
+def _decode_digest_time(pair: PDPair) -> dict[str, dict[str, float]]:
+    found: dict[str, dict[str, float]] = {}
+    for state in pair.decode.server_info().get("internal_states") or []:
+        found.update(((state or {}).get("sglang_harden") or {}).get("digest_time") or {})
+    return found
 
 
 def test_flipped_bit_is_caught(pairs: dict[str, PDPair]) -> None:

@@ -156,21 +156,21 @@ def test_an_unreachable_prefill_is_retried_then_reported_as_timed_out() -> None:
     assert time.monotonic() - start < 0.5 + 2.0
 
 
-def test_publisher_posts_before_returning(prefill: _Prefill) -> None:
+def test_publish_now_posts_before_returning(prefill: _Prefill) -> None:
     publisher = digest_channel.DigestPublisher(f"http://{prefill.addr}", timeout_s=30.0)
     for room in (1, 2, 3):  # the stand-in closes each connection: every publish after the first reconnects
-        assert publisher.publish(PublishedShard(room, 0, (room, -room)))
+        assert publisher.publish_now(PublishedShard(room, 0, (room, -room)))
         assert prefill.board.lookup(room) == {0: (room, -room)}
 
 
 def test_publisher_reports_a_refused_or_unreachable_board() -> None:
     refusing = _Prefill(publishing=True, refuse_puts=True)
-    assert not digest_channel.DigestPublisher(f"http://{refusing.addr}", 30.0).publish(PublishedShard(1, 0, (1,)))
+    assert not digest_channel.DigestPublisher(f"http://{refusing.addr}", 30.0).publish_now(PublishedShard(1, 0, (1,)))
     refusing.server.shutdown()
     refusing.server.server_close()
     start = time.monotonic()
     gone = digest_channel.DigestPublisher(f"http://{refusing.addr}", timeout_s=0.5)
-    assert not gone.publish(PublishedShard(1, 0, (1,)))
+    assert not gone.publish_now(PublishedShard(1, 0, (1,)))
     assert time.monotonic() - start < 2 * 0.5 + 2.0  # two tries, each bounded
 
 
