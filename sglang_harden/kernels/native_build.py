@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,10 @@ def build(source: Path, compiler: str, flags: Sequence[str], target: Path) -> No
 
 
 def load_library(
-    source: Path, prefix: str, env: str, flags: Sequence[str], loader: type[ctypes.CDLL] = ctypes.CDLL
+    source: Path, prefix: str, env: str, flags: Sequence[str], loader: Callable[[str], Any] = ctypes.CDLL
 ) -> tuple[Any, str]:
-    """``(library, how it was built)`` or ``(None, why not)``: builds ``source`` on first use, then loads it."""
+    """``(library, how it was built)`` or ``(None, why not)``: builds ``source`` on first use, then loads it with
+    ``loader`` (a ctypes library by default; :func:`import_extension` for a CPython extension module)."""
     if disabled(env):
         return None, f"disabled by {env}"
     compiler = find_compiler()
@@ -87,6 +89,16 @@ def load_library(
         lib = loader(str(target))
     except subprocess.CalledProcessError as exc:
         return None, f"build failed: {exc.stderr.strip()[-300:]}"
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except (OSError, ImportError, subprocess.TimeoutExpired) as exc:
         return None, f"build or load failed: {exc}"
     return lib, f"built with {compiler} {' '.join(flags)} at {target}"
+
+
+def import_extension(module_name: str, path: str) -> Any:
+    """Import the CPython extension module ``module_name`` (its ``PyInit_<module_name>``) from the file ``path``."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
