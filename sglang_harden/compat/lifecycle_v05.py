@@ -74,6 +74,9 @@ DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 WINDOW_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
 NEVER_STARTED_MEMORY = 65536
 GAUGE_NAME = "sglang_harden_quarantined_pages"
+# the ALLOW decisions of a transfer's hot path, made once (the hooks' log lines carry the room / rid)
+PUBLISHED = allow(lifecycle.GUARD)
+TAGS_OK = allow(page_tags.GUARD)
 FREE = int(PageState.FREE)
 QUARANTINED = int(PageState.QUARANTINED)
 
@@ -127,6 +130,7 @@ class DecodeNode:
     cap: int
     ledger: PageLedger
     transfers: dict[str, Transfer] = field(default_factory=dict)
+    by_room: dict[int, Transfer] = field(default_factory=dict)  # the same transfers, by room (the commit's key)
     _acks: dict[int, set[int]] = field(default_factory=dict)
     _gone: set[str] = field(default_factory=set)
     _never_started: dict[tuple[int, str], None] = field(default_factory=dict)
@@ -151,11 +155,12 @@ class DecodeNode:
         except LedgerError as exc:
             return Decision(lifecycle.GUARD, Verdict.ABORT, f"destination page not free: {exc}", 500,
                             {"room": room})
-        self.transfers[owner] = Transfer(owner, room, addr, required_acks, generation, pages, receiver)
-        return allow(lifecycle.GUARD, room=room, pages=int(pages.size))
+        self.transfers[owner] = self.by_room[room] = Transfer(owner, room, addr, required_acks, generation, pages,
+                                                              receiver)
+        return PUBLISHED  # the caller's log line names the room
 
     def finish(self, room: int) -> Transfer | None:
-        transfer = self.transfers.get(owner_of_room(room))
+        transfer = self.by_room.get(room)
         if transfer is not None:
             self.ledger.move_bulk(transfer.owner, transfer.pages, PageState.WRITTEN)
         return transfer
@@ -189,16 +194,22 @@ class DecodeNode:
     # ---- free path (scheduler thread)
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
         """Mask of ``pages`` that must not reach the free list (None: free them all)."""
-        states = self.states[pages]
-        tracked = np.count_nonzero(states)  # FREE is 0
-        if tracked == 0:
+        if mode is Mode.ENFORCE:  # the usual free: one request's pages, none still writable
+            found, owner = self.ledger.release_unwritable(pages)
+            if found == lifecycle.NONE_TRACKED:
+                return None
+            if owner is not None:
+                if self._all_free(owner):
+                    self._forget(owner)
+                return None
+        sole = self.ledger.sole_owner(pages)
+        if sole == lifecycle.NONE_TRACKED:
             return None
-        tracked_pages = pages if tracked == pages.size else pages[states != FREE]
-        owner_ids = self.ledger.owner_ids_of(tracked_pages)
-        first = owner_ids[0]
-        if np.count_nonzero(owner_ids != first) == 0:  # the usual case: one request's pages
-            groups = [(int(first), tracked_pages)]
+        if sole != lifecycle.MIXED:  # the usual case: one request's pages
+            groups = [(sole, pages)]
         else:
+            tracked_pages = pages[self.states[pages] != FREE]
+            owner_ids = self.ledger.owner_ids_of(tracked_pages)
             groups = [(o, tracked_pages[owner_ids == o]) for o in lifecycle.distinct(owner_ids).tolist()]
         for owner_id, owned in groups:
             owner = self.ledger.owner_name(owner_id)
@@ -253,6 +264,7 @@ class DecodeNode:
     def _forget(self, owner: str) -> None:
         transfer = self.transfers.pop(owner, None)
         if transfer is not None:
+            self.by_room.pop(transfer.room, None)
             with self._lock:
                 self._acks.pop(transfer.room, None)
                 self._never_started.pop((transfer.room, transfer.addr), None)
@@ -586,27 +598,37 @@ def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Tr
     length = len(req.origin_input_ids)
     if pool_idx is None or length <= 0:
         return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
-    rows = _page_table_rows(node, scheduler.req_to_token_pool.req_to_token, pool_idx, length)
-    pages = rows // node.page_size if node.page_size > 1 else rows  # a page repeats per token: fine here
+    table = scheduler.req_to_token_pool.req_to_token
     prefix = getattr(req, "prefix_indices", None)
     prefix_pages: list[int] = []
     if prefix is not None and len(prefix) > 0:
         prefix_pages = lifecycle.distinct(_pages_of(prefix, node.page_size)).tolist()
-    if not prefix_pages and node.ledger.all_owned_written(transfer.owner, transfer.generation, pages):
-        return allow(page_tags.GUARD, rid=str(req.rid), pages=int(pages.size))
+    else:  # a page repeats per token in the table: fine here
+        view = node.table_view
+        if view is not None and view[0] is table:  # a CPU table: read in place
+            owned = node.ledger.row_owned_written(transfer.owner, transfer.generation, view[1], pool_idx, length,
+                                                  node.page_size)
+        else:
+            owned = node.ledger.all_owned_written(transfer.owner, transfer.generation,
+                                                  _page_table_rows(node, table, pool_idx, length), node.page_size)
+        if owned:
+            return TAGS_OK
+    rows = _page_table_rows(node, table, pool_idx, length).astype(np.int64)
+    pages = rows // node.page_size if node.page_size > 1 else rows
     return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation,
                                       lifecycle.distinct(pages).tolist(), prefix_pages)
 
 
 def _page_table_rows(node: DecodeNode, table: Any, pool_idx: int, length: int) -> np.ndarray:
-    """``table[pool_idx, :length]`` as int64 numpy; a CPU page table is read through a numpy view made once."""
+    """``table[pool_idx, :length]`` as int numpy (the table's dtype); a CPU page table is read through a numpy
+    view made once."""
     view = node.table_view
     if view is None or view[0] is not table:
         try:
             node.table_view = view = (table, table.numpy())
         except (TypeError, RuntimeError):  # a CUDA page table: read the row through torch
             return _pages_of(table[pool_idx, :length], 1)
-    return view[1][pool_idx, :length].astype(np.int64)
+    return view[1][pool_idx, :length]
 
 
 def _pool_idx(req: Any) -> int | None:

@@ -41,6 +41,8 @@ class Runtime:
         self.pin, self.family, self.source = pin, family, source
         if self.config.checksum.value != "off":
             threading.Thread(target=_prepare_digest_kernel, name="sglang-harden-digest-build", daemon=True).start()
+        if self.config.lifecycle.value != "off":
+            threading.Thread(target=_prepare_ledger_kernel, name="sglang-harden-ledger-build", daemon=True).start()
 
     def start_publisher(self, base_url: str) -> None:
         with self._lock:
@@ -80,6 +82,15 @@ def _prepare_digest_kernel() -> None:
 
     built, detail = native_status()
     logger.info("sglang-harden checksum digest on CPU tensors: %s (%s)", "native" if built else "torch", detail)
+
+
+def _prepare_ledger_kernel() -> None:
+    """Build (or load) the native page-ledger paths now, off the scheduler thread, rather than on the first
+    transfer (until then the ledger runs its numpy path)."""
+    from sglang_harden.kernels.ledger_native import native_status
+
+    built, detail = native_status()
+    logger.info("sglang-harden page ledger: %s (%s)", "native" if built else "numpy", detail)
 
 
 RUNTIME = Runtime()

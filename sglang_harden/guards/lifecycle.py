@@ -16,6 +16,10 @@ Each call says who owns what afterwards through its return value (pages to free,
 the way vLLM's KV connectors return whether they now own freeing blocks. Storage is three ``array``
 columns indexed by page; every operation costs O(pages touched). Generations come from one counter per
 ledger, so a page's generation alone names exactly one reservation (and with it the owner).
+
+The ``*_bulk`` operations (a host's hot path, over numpy page arrays) first try one call into the native ledger
+library (:mod:`sglang_harden.kernels.ledger_native`), which does only an operation's usual case and otherwise
+writes nothing; the numpy path below then applies the rules to every case. The rules are those of the numpy path.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from sglang_harden.guards.base import Decision, Verdict, allow
 
 GUARD = "lifecycle"
 NO_OWNER = -1
+NONE_TRACKED = -2  # sole_owner: every page is FREE
+MIXED = -3  # sole_owner: FREE and tracked pages, or several owners
+RELEASED = 0  # release_unwritable: the pages were freed
 
 
 class PageState(IntEnum):
@@ -65,8 +72,10 @@ LedgerSnapshot = tuple[
 class PageLedger:
     """Owner, generation and state of each page of one node's KV pool."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, native: bool = True) -> None:
+        """``native=False``: the bulk operations stay on numpy even where the native library is available."""
         self.num_pages = num_pages
+        self.native = native
         self._state = array("b", [PageState.FREE]) * num_pages
         self._owner = array("q", [NO_OWNER]) * num_pages
         self._generation = array("q", [0]) * num_pages
@@ -79,6 +88,7 @@ class PageLedger:
         self._quarantined = 0
         self._source_holds: dict[str, list[int]] = {}
         self._views: tuple[Any, Any, Any] | None = None
+        self._native_ops: _NativeOps | None | bool = None  # None: not looked up yet; False: unavailable
 
     # ---- reading
     def state(self, page: int) -> PageState:
@@ -196,18 +206,27 @@ class PageLedger:
         reserves and hands the pages to the writer in one pass (reserve + :meth:`begin_write`)."""
         if initial not in (PageState.RESERVED, PageState.WRITING):
             raise ValueError(f"a reservation starts RESERVED or WRITING, not {initial.name}")
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops:
+            owner_id = self._owner_ids.get(owner, self._next_owner_id)  # the id _intern gives a new owner
+            if ops.reserve(ops.state, ops.owner, ops.generation, self.num_pages, pages, int(initial), owner_id,
+                           self._next_generation) == _DONE:
+                return self._reserved(owner, pages)
         np = _numpy()
         states, owners, generations = self._np_columns()
         if pages.size and np.count_nonzero(states[pages]):  # FREE is 0
             bad = int(pages[states[pages] != _FREE][0])
             raise LedgerError(f"page {bad} is {self.state(bad).name} (owner {self.owner(bad)}), not FREE")
+        states[pages] = int(initial)
+        owners[pages] = self._intern(owner)
+        generations[pages] = self._next_generation
+        return self._reserved(owner, pages)
+
+    def _reserved(self, owner: str, pages: Any) -> int:
+        """Book a bulk reservation whose column entries are written: its generation, its owner's page list."""
         generation = self._next_generation
         self._next_generation += 1
-        owner_id = self._intern(owner)
-        states[pages] = int(initial)
-        owners[pages] = owner_id
-        generations[pages] = generation
-        self._reservations[owner_id].append(pages.copy())  # the caller may reuse its array
+        self._reservations[self._intern(owner)].append(pages.copy())  # the caller may reuse its array
         return generation
 
     def move_bulk(self, owner: str, pages: Any, target: PageState) -> Any:
@@ -216,10 +235,13 @@ class PageLedger:
         owner_id = self._owner_ids.get(owner, NO_OWNER)
         if owner_id == NO_OWNER:
             return pages
-        np = _numpy()
-        states, owners, _ = self._np_columns()
         goal = int(target)
         before = _RESERVED if goal == _WRITING else _WRITING
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops and ops.move(ops.state, ops.owner, self.num_pages, pages, owner_id, before, goal) == _DONE:
+            return _no_pages()
+        np = _numpy()
+        states, owners, _ = self._np_columns()
         st = states[pages]
         if not (np.count_nonzero(st != before) or np.count_nonzero(owners[pages] != owner_id)):
             states[pages] = goal  # the usual case: every page where the previous step left it
@@ -235,6 +257,12 @@ class PageLedger:
         owner_id = self._owner_ids.get(owner, NO_OWNER)
         if owner_id == NO_OWNER:
             return ReleaseOutcome(pages[:0], pages[:0], pages)  # type: ignore[arg-type]
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops and ops.release(ops.state, ops.owner, self.num_pages, pages, owner_id, writer_drained) == _DONE:
+            if pages.size:
+                self._forget_if_empty(owner_id)
+            none = pages[:0]
+            return ReleaseOutcome(pages, none, none)  # type: ignore[arg-type]
         np = _numpy()
         states, owners, _ = self._np_columns()
         st = states[pages]
@@ -257,15 +285,86 @@ class PageLedger:
         ignored = pages[:0] if everything_mine else pages[~mine]
         return ReleaseOutcome(to_free, to_quarantine, ignored)  # type: ignore[arg-type]
 
-    def all_owned_written(self, owner: str, generation: int, pages: Any) -> bool:
+    def all_owned_written(self, owner: str, generation: int, pages: Any, page_size: int = 1) -> bool:
         """Page-tag fast path: every page owned by ``owner`` at ``generation`` and WRITTEN. A generation names
-        one reservation, so pages that all carry ``generation`` have the owner of any one of them."""
+        one reservation, so pages that all carry ``generation`` have the owner of any one of them. ``page_size``
+        > 1: ``pages`` holds token slots (int32 or int64), page = slot // page_size."""
+        owner_id = self._owner_ids.get(owner)
+        if owner_id is None:
+            return False
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops:
+            found = ops.owned_written(ops.state, ops.owner, ops.generation, self.num_pages, pages, page_size,
+                                      owner_id, generation)
+            if found != _NOT_HANDLED:
+                return found == _DONE
         np = _numpy()
         states, owners, generations = self._np_columns()
-        owner_id = self._owner_ids.get(owner)
-        if owner_id is None or not pages.size or owners[pages[0]] != owner_id:
+        if page_size > 1:
+            pages = pages // page_size
+        if not pages.size or owners[pages[0]] != owner_id:
             return owner_id is not None and not pages.size
         return not (np.count_nonzero(generations[pages] != generation) or np.count_nonzero(states[pages] != _WRITTEN))
+
+    def row_owned_written(self, owner: str, generation: int, table: Any, row: int, length: int,
+                          page_size: int = 1) -> bool:
+        """:meth:`all_owned_written` over ``table[row, :length]`` of a 2-D int numpy array (a host's page table),
+        read in place."""
+        owner_id = self._owner_ids.get(owner)
+        if owner_id is None:
+            return False
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops:
+            found = ops.row_owned_written(ops.state, ops.owner, ops.generation, self.num_pages, table, row, length,
+                                          page_size, owner_id, generation)
+            if found != _NOT_HANDLED:
+                return found == _DONE
+        return self.all_owned_written(owner, generation, table[row, :length], page_size)
+
+    def sole_owner(self, pages: Any) -> int:
+        """The owner id of ``pages`` when none is FREE and one owner holds them all; :data:`NONE_TRACKED` when
+        every page is FREE; :data:`MIXED` otherwise (a free path's question: whose pages are these?)."""
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops:
+            found = ops.sole_owner(ops.state, ops.owner, self.num_pages, pages)
+            if found != _NATIVE_NOT_HANDLED:
+                return int(found)
+        np = _numpy()
+        states, owners, _ = self._np_columns()
+        tracked = np.count_nonzero(states[pages])  # FREE is 0
+        if tracked == 0:
+            return NONE_TRACKED
+        if tracked != pages.size:
+            return MIXED
+        owner_ids = owners[pages]
+        first = owner_ids[0]
+        return int(first) if np.count_nonzero(owner_ids != first) == 0 else MIXED
+
+    def release_unwritable(self, pages: Any) -> tuple[int, str | None]:
+        """A free path's usual case in one step: ``pages`` all belong to one owner and none is WRITING (so no
+        writer can still write them; whether it drained does not matter) or QUARANTINED: release them all, as
+        :meth:`release_bulk` would, and return ``(RELEASED, owner)``. Otherwise change nothing and return
+        ``(NONE_TRACKED, None)`` (every page FREE) or ``(MIXED, None)`` (anything else: use release_bulk)."""
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops:
+            found = ops.release_unwritable(ops.state, ops.owner, self.num_pages, pages)
+            if found >= 0:
+                owner = self._owner_names[found]
+                if pages.size:
+                    self._forget_if_empty(found)
+                return RELEASED, owner
+            if found != _NATIVE_NOT_HANDLED:
+                return found, None
+        sole = self.sole_owner(pages)
+        if sole < 0:
+            return sole, None
+        np = _numpy()
+        states = self._np_columns()[0][pages]
+        if np.count_nonzero(states == _WRITING) or np.count_nonzero(states == _QUARANTINED):
+            return MIXED, None
+        owner = self._owner_names[sole]
+        self.release_bulk(owner, pages, writer_drained=False)
+        return RELEASED, owner
 
     def owner_ids_of(self, pages: Any) -> Any:
         """Owner ids (numpy) of ``pages``; :meth:`owner_name` turns one into the owner's name."""
@@ -283,6 +382,16 @@ class PageLedger:
             self._views = (np.frombuffer(self._state, dtype=np.int8), np.frombuffer(self._owner, dtype=np.int64),
                            np.frombuffer(self._generation, dtype=np.int64))
         return self._views
+
+    def _load_native(self) -> _NativeOps | bool:
+        """The native library bound to this ledger's columns (looked up once; False: numpy only)."""
+        lib = None
+        if self.native:
+            from sglang_harden.kernels.ledger_native import ledger_library
+
+            lib = ledger_library()
+        self._native_ops = _NativeOps(lib, self._state, self._owner, self._generation) if lib is not None else False
+        return self._native_ops
 
     # ---- prefill side: source pages
     def hold_source(self, owner: str, pages: Iterable[int]) -> None:
@@ -311,6 +420,7 @@ class PageLedger:
         ledger._state = array("b", states)
         ledger._generation = array("q", generations)
         ledger._views = None
+        ledger._native_ops = None
         for page, owner in enumerate(owners):
             if owner is None:
                 continue
@@ -361,13 +471,54 @@ class PageLedger:
     def _still_owns(self, owner_id: int, pages: Any) -> bool:
         if isinstance(pages, tuple):
             return any(self._owner[page] == owner_id for page in pages)
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if ops:
+            count = ops.count_owned(ops.owner, self.num_pages, pages, owner_id)
+            if count >= 0:
+                return count > 0
         return bool(_numpy().count_nonzero(self._np_columns()[1][pages] == owner_id))
+
+
+_NOT_HANDLED, _DONE = 0, 1  # the native library's answers (see sglang_harden.kernels.ledger_native)
+_NATIVE_NOT_HANDLED = -4  # sole_owner's
+
+
+class _NativeOps:
+    """The native functions and the addresses of one ledger's three columns (fixed: the columns never resize)."""
+
+    __slots__ = ("reserve", "move", "release", "count_owned", "sole_owner", "release_unwritable", "owned_written",
+                 "row_owned_written", "state", "owner", "generation", "_columns")
+
+    def __init__(self, lib: Any, state: array, owner: array, generation: array) -> None:
+        self.reserve = lib.reserve
+        self.move = lib.move
+        self.release = lib.release
+        self.count_owned = lib.count_owned
+        self.sole_owner = lib.sole_owner
+        self.release_unwritable = lib.release_unwritable
+        self.owned_written = lib.owned_written
+        self.row_owned_written = lib.row_owned_written
+        self._columns = (state, owner, generation)  # keeps the memory behind the addresses alive
+        self.state, self.owner, self.generation = (column.buffer_info()[0] for column in self._columns)
 
 
 def _numpy() -> Any:
     import numpy
 
     return numpy
+
+
+_NO_PAGES: list[Any] = []
+
+
+def _no_pages() -> Any:
+    """A shared empty int64 numpy array (nothing refused): cheaper than slicing the caller's array."""
+    if not _NO_PAGES:
+        np = _numpy()
+        empty = np.empty(0, dtype=np.int64)
+        empty.flags.writeable = False
+        _NO_PAGES.append(empty)
+    return _NO_PAGES[0]
 
 
 def distinct(pages: Any) -> Any:

@@ -4,8 +4,8 @@ The torch path cannot hash at memory speed on a CPU: torch has no fused multiply
 each chunk makes several passes and the row hashes are widened to int64. This path is one small C function
 (``digest_native.c``, next to this file) that reads every digested byte once. It is compiled on first use with
 the system C compiler into ``$SGLANG_HARDEN_HOME/kernels`` (default ``~/.cache/sglang-harden/kernels``), keyed
-by the source, the compiler and the flags, and loaded with ctypes. ctypes drops the GIL during the call, so the
-layer halves are split over ``threads`` Python threads.
+by the source, the compiler and the flags, and loaded with ctypes (:mod:`.native_build`). ctypes drops the GIL
+during the call, so the layer halves are split over ``threads`` Python threads.
 
 No compiler, a failed build or ``SGLANG_HARDEN_NATIVE_DIGEST=0``: :func:`native_library` returns ``None`` and
 callers use the torch path (same digests, slower). :func:`native_status` says which and why, for ``doctor``.
@@ -14,11 +14,6 @@ callers use the torch path (same digests, slower). :func:`native_status` says wh
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,11 +28,10 @@ from sglang_harden.kernels.digest_spec import (
     finalize,
     multipliers,
 )
+from sglang_harden.kernels.native_build import BASE_FLAGS, cpu_flags, load_library
 
 SOURCE = Path(__file__).with_name("digest_native.c")
 DISABLE_ENV = "SGLANG_HARDEN_NATIVE_DIGEST"
-BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fno-strict-aliasing")
-BUILD_TIMEOUT_S = 120
 SPLIT_BYTES = 8 << 20  # below this a request's digest runs on the calling thread (waking workers costs more)
 MAX_CACHED_DIGESTERS = 16
 
@@ -46,72 +40,16 @@ _loaded: dict[str, Any] = {}  # "lib" -> ctypes.CDLL or None, "why" -> str
 _pool: dict[int, ThreadPoolExecutor] = {}
 
 
-def cache_dir() -> Path:
-    home = os.environ.get("SGLANG_HARDEN_HOME") or str(Path.home() / ".cache" / "sglang-harden")
-    return Path(home) / "kernels"
-
-
-def find_compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def cpu_flags() -> tuple[str, ...]:
-    """``-mavx2`` where this CPU has AVX2 (the build is cached per flag set, so mixed fleets stay safe)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    return ("-mavx2",) if " avx2" in info else ()
-
-
-def _library_path(compiler: str, flags: Sequence[str]) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    return cache_dir() / f"digest-{key}.so"
-
-
-def _build(compiler: str, flags: Sequence[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, "-o", tmp, str(SOURCE)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-        )
-        os.replace(tmp, target)  # atomic: ranks building at once each install a whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load() -> tuple[Any, str]:
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"disabled by {DISABLE_ENV}"
-    compiler = find_compiler()
-    if compiler is None:
-        return None, "no C compiler (cc, gcc, clang or $CC) on PATH"
-    flags = (*BASE_FLAGS, *cpu_flags())
-    target = _library_path(compiler, flags)
-    try:
-        if not target.exists():
-            _build(compiler, flags, target)
-        lib = ctypes.CDLL(str(target))
-    except subprocess.CalledProcessError as exc:
-        return None, f"build failed: {exc.stderr.strip()[-300:]}"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"build or load failed: {exc}"
+    lib, why = load_library(SOURCE, "digest", DISABLE_ENV, (*BASE_FLAGS, *cpu_flags()))
+    if lib is None:
+        return None, why
     fn = lib.sgh_digest_sums
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
-    return lib, f"built with {compiler} {' '.join(flags)} at {target}"
+    return lib, why
 
 
 def native_library() -> Any:

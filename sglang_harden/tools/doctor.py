@@ -277,7 +277,8 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
             "family": harden.family if harden.available else None,
             "abort_field": sorted(P.abort_fields(tree)),
         },
-        "harden": {**asdict(harden), "config_error": config_error, "digest_kernel": digest_kernel()},
+        "harden": {**asdict(harden), "config_error": config_error, "digest_kernel": digest_kernel(),
+                   "ledger_kernel": ledger_kernel()},
         "protections": [_row_json(r) for r in rows],
         "missing": [r.key for r in rows if r.missing],
         "ok": not any(r.missing for r in rows),
@@ -290,6 +291,14 @@ def digest_kernel() -> dict:
 
     built, detail = native_status()
     return {"cpu_path": "native" if built else "torch", "detail": detail}
+
+
+def ledger_kernel() -> dict:
+    """Which path the page ledger's per-transfer operations take on this machine (builds the native one if it can)."""
+    from sglang_harden.kernels.ledger_native import native_status
+
+    built, detail = native_status()
+    return {"path": "native" if built else "numpy", "detail": detail}
 
 
 def _row_json(row: Row) -> dict:
