@@ -78,6 +78,7 @@ GAUGE_NAME = "sglang_harden_quarantined_pages"
 PUBLISHED = allow(lifecycle.GUARD)
 TAGS_OK = allow(page_tags.GUARD)
 FREE = int(PageState.FREE)
+WRITING = int(PageState.WRITING)
 QUARANTINED = int(PageState.QUARANTINED)
 
 
@@ -223,7 +224,9 @@ class DecodeNode:
     def _release(self, owner: str, pages: np.ndarray, mode: Mode) -> None:
         drained = self.drained(owner)
         if mode is not Mode.ENFORCE and not drained:
-            self._record_quarantine(owner, pages.tolist(), mode)
+            would_hold = self._still_writing(owner, pages)
+            if would_hold:
+                self._record_quarantine(owner, would_hold, mode)
             drained = True
         outcome = self.ledger.release_bulk(owner, pages, writer_drained=drained)
         if len(outcome.to_quarantine):
@@ -231,6 +234,16 @@ class DecodeNode:
             self._ask_for_drain_ack(owner)
         elif self._all_free(owner):
             self._forget(owner)
+
+    def _still_writing(self, owner: str, pages: np.ndarray) -> list[int]:
+        """The pages of ``pages`` that ``owner`` holds and a writer may still write: what enforce would
+        quarantine (log mode reports these and holds nothing)."""
+        writing = pages[self.states[pages] == WRITING]
+        if not writing.size:
+            return []
+        owner_ids = self.ledger.owner_ids_of(writing).tolist()
+        return [page for page, owner_id in zip(writing.tolist(), owner_ids, strict=True)
+                if self.ledger.owner_name(owner_id) == owner]
 
     def _all_free(self, owner: str) -> bool:
         return owner in self.transfers and not self.ledger.holds_pages(owner)

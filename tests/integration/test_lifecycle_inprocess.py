@@ -14,6 +14,7 @@ with small stand-ins for the Mooncake receiver/manager, because those need a liv
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from types import SimpleNamespace
@@ -30,6 +31,8 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sglang_harden import events  # noqa: E402
 from sglang_harden.compat import activate, lifecycle_v05  # noqa: E402
 from sglang_harden.compat.lifecycle_v05 import DecodeNode, PrefillNode  # noqa: E402
+from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
+from sglang_harden.config import Mode  # noqa: E402
 from sglang_harden.guards.base import Verdict  # noqa: E402
 from sglang_harden.guards.lifecycle import PageState  # noqa: E402
 
@@ -193,6 +196,27 @@ def test_completed_transfer_frees_normally(allocator: Any) -> None:
     assert node.ledger.quarantined_count() == 0
     assert allocator.available_size() == POOL
     assert not node.transfers, "bookkeeping of a finished transfer is dropped"
+
+
+def test_log_mode_reports_only_what_enforce_would_quarantine(allocator: Any) -> None:
+    saved = RUNTIME.config
+    RUNTIME.config = dataclasses.replace(saved, lifecycle=Mode.LOG)
+    try:
+        node = DecodeNode.for_allocator(allocator, cap=40)
+        lifecycle_v05.NODE = node
+        before = events.snapshot().get("lifecycle:quarantine_logged", 0)
+        done = allocator.alloc(12)
+        _publish(Receiver(ROOM_B), done)
+        node.finish(ROOM_B)
+        allocator.free(done)  # written, no drain ack: enforce frees these, so there is nothing to report
+        assert events.snapshot().get("lifecycle:quarantine_logged", 0) == before
+        in_flight = allocator.alloc(12)
+        _publish(Receiver(ROOM_A), in_flight)
+        allocator.free(in_flight)  # still being written: enforce would quarantine it; log mode reports, holds nothing
+        assert events.snapshot().get("lifecycle:quarantine_logged", 0) == before + 1
+        assert node.ledger.quarantined_count() == 0 and allocator.available_size() == POOL
+    finally:
+        RUNTIME.config = saved
 
 
 def test_quarantine_cap_closes_the_decode_door(allocator: Any) -> None:
