@@ -79,11 +79,13 @@ def _until(condition, timeout_s: float = 10.0) -> None:  # noqa: ANN001
         time.sleep(0.01)
 
 
-def _covering_feed(addr: str) -> tuple[DigestFeed, list[Receiver]]:
-    """A feed whose reader of ``addr`` has its cursor (a room watched from now on is covered)."""
-    feed, keep = DigestFeed(), [Receiver()]
+def _covering_feed(addr: str, room: int) -> tuple[DigestFeed, list[Receiver]]:
+    """A feed whose reader of ``addr`` has its cursor, then watches ``room`` (covered: every post for it comes
+    through). The receivers are returned to keep them alive (the feed holds them weakly)."""
+    feed, keep = DigestFeed(), [Receiver(), Receiver()]
     feed.watch(addr, -1, keep[0])
     _until(lambda: feed._prefills[addr].cursor is not None)
+    feed.watch(addr, room, keep[1])
     return feed, keep
 
 
@@ -116,9 +118,7 @@ def test_malformed_feed_queries_are_refused(query: dict[str, str]) -> None:
 def test_feed_delivers_a_digest_posted_before_the_commit_without_asking_the_board(
     prefill: Bootstrap, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    feed, _keep = _covering_feed(prefill.addr)
-    receiver = Receiver()
-    feed.watch(prefill.addr, 7, receiver)
+    feed, _keep = _covering_feed(prefill.addr, 7)
     prefill.post(PublishedShard(7, 0, (1, 2)))
     _until(lambda: feed._prefills[prefill.addr].rooms[7].shards)
 
@@ -132,9 +132,7 @@ def test_feed_delivers_a_digest_posted_before_the_commit_without_asking_the_boar
 
 
 def test_feed_waits_for_a_late_post_and_wakes_on_it(prefill: Bootstrap) -> None:
-    feed, _keep = _covering_feed(prefill.addr)
-    receiver = Receiver()
-    feed.watch(prefill.addr, 8, receiver)
+    feed, _keep = _covering_feed(prefill.addr, 8)
     threading.Timer(0.3, prefill.post, args=(PublishedShard(8, 1, (5,)),)).start()
     began = time.monotonic()
     got = feed.take(prefill.addr, 8, 20.0, lambda shards: 1 in shards)
@@ -153,9 +151,7 @@ def test_a_room_the_feed_cannot_vouch_for_is_read_from_the_board(prefill: Bootst
 
 
 def test_a_missing_digest_times_out_within_the_wait(prefill: Bootstrap) -> None:
-    feed, _keep = _covering_feed(prefill.addr)
-    receiver = Receiver()
-    feed.watch(prefill.addr, 10, receiver)
+    feed, _keep = _covering_feed(prefill.addr, 10)
     began = time.monotonic()
     got = digest_channel.receive_digests(feed, prefill.addr, 10, 0.5, lambda shards: 0 in shards)
     assert got.timed_out and got.shards == {}
@@ -165,9 +161,7 @@ def test_a_missing_digest_times_out_within_the_wait(prefill: Bootstrap) -> None:
 def test_a_restarted_prefill_makes_watched_rooms_fall_back_to_the_board(
     prefill: Bootstrap, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    feed, _keep = _covering_feed(prefill.addr)
-    receiver = Receiver()
-    feed.watch(prefill.addr, 11, receiver)
+    feed, _keep = _covering_feed(prefill.addr, 11)
     restarted = DigestBoard()  # a new epoch: the reader's cursor means nothing there
     monkeypatch.setattr(digest_channel, "BOARD", restarted)
     prefill.post(PublishedShard(11, 0, (4,)))  # wakes the waiting query, which answers "incomplete"
