@@ -255,8 +255,9 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
     wait_s = RUNTIME.config.checksum_wait_ms / 1000
     began = time.perf_counter()
     fetched = digest_channel.receive_digests(RUNTIME.feed, addr, int(req.bootstrap_room), wait_s, decidable)
-    TIMER.add("verify.fetch", time.perf_counter() - began)
-    TIMER.add(f"verify.fetch.{fetched.via}", time.perf_counter() - began)
+    fetch_s = time.perf_counter() - began
+    TIMER.add("verify.fetch", fetch_s)
+    TIMER.add(f"verify.fetch.{fetched.via}", fetch_s)
     notices = _notices(fetched.shards)
     if notices:
         return _decide_on_notices(rid, notices)
