@@ -54,9 +54,10 @@ def results(pin: str, backend: str, tmp_path_factory: pytest.TempPathFactory) ->
     setup = LateWriteSetup(backend=backend)
     results = {v: run_late_write(pin, v == "hardened", root / v, setup) for v in ("vanilla", "hardened")}
     vanilla = results["vanilla"]
-    if vanilla["late_write_landed"] and vanilla["corrupted_requests"] == 0:
+    if not (vanilla["late_write_landed"] and vanilla["corrupted_requests"] >= 1):
         # The injected write can land just after the victim it was timed for finished decoding (a 24-token
-        # victim takes a fraction of a second; a loaded machine stretches the trigger's reaction): one more try.
+        # victim takes a fraction of a second; a loaded machine stretches the trigger's reaction), or, on a host
+        # loaded enough that pairs boot in 4 minutes, not within the scenario's window at all: one more try.
         results["vanilla"] = {**run_late_write(pin, False, root / "vanilla-retry", setup), "attempts": 2}
     return results
 
