@@ -413,7 +413,7 @@ class DigestFeed:
             prefill = self._prefills.setdefault(addr, _Prefill())
             covered = prefill.cursor is not None and prefill.usable
             prefill.rooms[room] = _Watched(weakref.ref(receiver), time.monotonic(), covered)
-            if not prefill.running:
+            if not prefill.running and prefill.usable:  # a prefill without a feed is not asked again per room
                 prefill.running = True
                 threading.Thread(target=self._read, args=(addr, prefill), name="sglang-harden-digest-feed",
                                  daemon=True).start()
@@ -446,7 +446,7 @@ class DigestFeed:
                 self._forget_stale(prefill)
                 if prefill.rooms:
                     idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > FEED_IDLE_EXIT_S or not prefill.usable:
+                if not prefill.usable or time.monotonic() - idle_since > FEED_IDLE_EXIT_S:
                     prefill.running = False
                     return
                 since, epoch = prefill.cursor, prefill.epoch

@@ -177,8 +177,10 @@ def test_a_prefill_without_the_feed_route_is_read_from_the_board(board: DigestBo
         feed = DigestFeed()
         first, second = Receiver(), Receiver()
         feed.watch(older.addr, 12, first)
-        _until(lambda: not feed._prefills[older.addr].usable)
+        _until(lambda: not feed._prefills[older.addr].running)  # the reader saw the 404 and stopped
+        assert not feed._prefills[older.addr].usable
         feed.watch(older.addr, 13, second)
+        assert not feed._prefills[older.addr].running, "a prefill known to have no feed is not asked again"
         board.post(PublishedShard(13, 0, (6,)))
         got = digest_channel.receive_digests(feed, older.addr, 13, 5.0, lambda shards: 0 in shards)
         assert got.shards == {0: (6,)}
