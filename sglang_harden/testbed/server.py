@@ -278,9 +278,23 @@ class Server(_Process):
                 raise self._fail("timed out waiting for /model_info")
             time.sleep(0.25)
 
-    def server_info(self) -> dict[str, Any]:
+    def server_info(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The server's info document. The scheduler answers it between batches, so on a loaded host one
+        attempt can time out; it is asked again until ``timeout`` passes or the server exits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._server_info_once()
+            except OSError as exc:
+                if not self.is_alive():
+                    raise self._fail(f"exited while answering server info ({exc})") from exc
+                if time.monotonic() > deadline:
+                    raise self._fail(f"server info did not answer within {timeout:.0f} s ({exc})") from exc
+            time.sleep(0.5)
+
+    def _server_info_once(self) -> dict[str, Any]:
         for path in ("/server_info", "/get_server_info"):
-            status, body = http_json("GET", self.url + path, timeout=10.0)
+            status, body = http_json("GET", self.url + path, timeout=15.0)
             if status == 200 and isinstance(body, dict):
                 return body
         raise self._fail("no server info endpoint answered")
