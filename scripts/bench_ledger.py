@@ -14,7 +14,9 @@ vanilla one the unhooked function and no ledger), so machine drift hits both ali
 
 - per transfer (decode side, N tokens): allocate N slots, receive the KV (copy N tokens x layers of K and V into
   the pool: what the transport does, here a local copy), read the metadata slot (``MetadataBuffers.get_buf``),
-  later free the slots; ``--kv-shape`` picks the model geometry (default Llama-3-8B: 32 layers x 8 KV heads x 128);
+  later free the slots together with the ``--output-tokens`` slots the request's generated tokens took on decode
+  (never tracked by the ledger), as SGLang frees a finished request; ``--kv-shape`` picks the model geometry
+  (default Llama-3-8B: 32 layers x 8 KV heads x 128);
 - per decode step (batch B): allocate one slot per request (``alloc``), write the KV of the new token for every
   layer, free finished requests' slots every ``--finish-every`` steps; the forward pass itself is not
   included, so the ratio is an upper bound for a real step.
@@ -89,6 +91,7 @@ class Bench:
 
         n = self.args.tokens
         idx = self.alloc.alloc(n)
+        generated = self.alloc.alloc(self.args.output_tokens)
         self.table[1, :n] = idx.to(torch.int32)
         self.room += 1
         if self.hardened:
@@ -102,9 +105,9 @@ class Bench:
             transfer = node.finish(self.room)
             req = SimpleNamespace(rid="r", origin_input_ids=range(n), req_pool_idx=1, kv=None, prefix_indices=None)
             scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=self.table))
-            decision = lifecycle_v05.check_request_pages(node, scheduler, req, transfer)
-            assert decision.allows, decision.reason
-        self.free_fn(self.alloc, idx)
+            refused = lifecycle_v05.verify_page_tags(node, scheduler, req, transfer)
+            assert refused is None, refused.reason
+        self.free_fn(self.alloc, torch.cat((idx, generated)))
 
     # ---- one decode step for a batch
     def decode_step(self, state: dict[str, Any]) -> None:
@@ -155,6 +158,8 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
 
     n = bench.args.tokens
     idx = bench.alloc.alloc(n)
+    generated = bench.alloc.alloc(bench.args.output_tokens)
+    step_slots = bench.alloc.alloc(bench.args.batch * bench.args.finish_every)  # what a decode step's free passes
     bench.table[2, :n] = idx.to(torch.int32)  # row 1 is the vanilla unit's
     req = SimpleNamespace(rid="r", origin_input_ids=range(n), req_pool_idx=2, kv=None, prefix_indices=None)
     scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=bench.table))
@@ -162,7 +167,8 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
     publish = lifecycle_v05._send_metadata(lambda *a, **k: None)
     mode = lifecycle_v05.RUNTIME.config.lifecycle
     pages = idx.numpy()
-    decode_pages = pages[: bench.args.batch * bench.args.finish_every]
+    freed = torch.cat((idx, generated)).numpy()  # a finished request's slots: its transfer's and its tokens'
+    decode_pages = step_slots.numpy()
 
     def one_round(room: int) -> tuple[float, ...]:
         receiver = Receiver(room)  # SGLang's own object: not part of the added work
@@ -172,9 +178,9 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
         vanilla = _vanilla_transfer_s(bench, set_phase) if after_transfer else 0.0
         t2 = time.perf_counter()
         transfer = node.finish(room)
-        assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).allows
+        assert lifecycle_v05.verify_page_tags(node, scheduler, req, transfer) is None
         t3 = time.perf_counter()
-        assert node.keep_back(pages, mode) is None
+        assert node.keep_back(freed, mode) is None
         t4 = time.perf_counter()
         node.keep_back(decode_pages, mode)
         t5 = time.perf_counter()
@@ -190,7 +196,7 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
         if not after_transfer:
             times[4] = vanilla
         best = [min(b, t * 1e6) for b, t in zip(best, times, strict=True)]
-    bench.alloc.free(idx)
+    bench.alloc.free(torch.cat((idx, generated, step_slots)))
     keys = ("publish_us", "commit_tags_us", "free_tracked_us", "free_untracked_us", "vanilla_transfer_us")
     return {k: round(v, 1) for k, v in zip(keys, best, strict=True)}
 
@@ -211,6 +217,7 @@ def _vanilla_transfer_s(bench: Bench, set_phase: Callable[[bool], None]) -> floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens per transfer")
+    parser.add_argument("--output-tokens", type=int, default=16, help="tokens each transferred request generates")
     parser.add_argument("--batch", type=int, default=16, help="requests per decode step")
     parser.add_argument("--finish-every", type=int, default=8)
     parser.add_argument("--pool-tokens", type=int, default=4096)

@@ -23,6 +23,7 @@ for pin in $(python3 -c 'from sglang_harden.testbed.envs import ci_pins; print("
 done
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
+  tests/unit/test_events_prometheus.py \
   tests/unit/test_canary.py tests/integration/test_digest_agreement.py
 # Two workers: the e2e tests spend most of their time waiting on servers (start-up, timeouts); each worker
 # runs whole (module, pin) groups, so a module's pairs for one pin start once (tests/conftest.py).

@@ -4,6 +4,13 @@
 SGLang runs with ``--enable-metrics`` it sets ``PROMETHEUS_MULTIPROC_DIR`` before spawning its scheduler, so a
 counter created there shows up on the server's ``/metrics``. Without prometheus_client the counts are kept in
 memory only (``snapshot()``), which the tests and ``doctor`` read.
+
+A transfer's hot path allows every request at a few places (the ledger's publish, the page-tag check). Counting
+such an ALLOW through :func:`record` (lock, counter sample, log-level check) cost ~50 us per decision with the
+caches cold after a KV copy, several times the ledger's own work. Those places count through a :class:`Tally`
+instead: one integer increment per decision, folded into the counts and the Prometheus counter by
+:func:`snapshot` and by a background thread every ``FLUSH_INTERVAL_S``. When DEBUG logging is on for the guard
+logger, a tally records every decision through :func:`record`, log line included.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ _counts: Counter[tuple[str, str]] = Counter()
 _prom_counter: object | None = None
 _prom_failed = False
 _prom_children: dict[tuple[str, str], object] = {}
+_tallies: list[Tally] = []
+FLUSH_INTERVAL_S = 1.0
+_flusher: threading.Thread | None = None
+_allow_lines = False  # DEBUG on for the guard logger: tallies record each decision (its log line) instead
 
 
 def _prometheus_counter() -> object | None:
@@ -64,6 +75,78 @@ def record(decision: Decision, mode: Mode, **context: object) -> bool:
     return applied and not decision.allows
 
 
+class Tally:
+    """The count of one constant ALLOW decision, bumped on a hot path. ``n`` is written only by the thread that
+    bumps (the scheduler's), ``folded`` only under ``_lock``: no increment is lost or counted twice."""
+
+    __slots__ = ("decision", "folded", "label", "n")
+
+    def __init__(self, decision: Decision) -> None:
+        if not decision.allows:
+            raise ValueError(f"only an allowing decision is tallied, not {decision.verdict.value}")
+        self.decision = decision
+        self.label = decision.verdict.value
+        self.n = 0
+        self.folded = 0
+        with _lock:
+            _tallies.append(self)
+
+    def bump(self, mode: Mode, **context: object) -> None:
+        """Count one decision (nothing in ``off`` mode); at DEBUG, record it with its log line."""
+        if mode is Mode.OFF:
+            return
+        if _flusher is None:
+            _start_flusher()
+        if _allow_lines:
+            record(self.decision, mode, **context)
+        else:
+            self.n += 1
+
+
+def _fold_tallies() -> None:
+    """Move the tallies' new counts into the counts and the Prometheus counter."""
+    with _lock:
+        for tally in _tallies:
+            delta = tally.n - tally.folded
+            if delta:
+                tally.folded += delta
+                _counts[(tally.decision.guard, tally.label)] += delta
+                child = _counter_child(tally.decision.guard, tally.label)
+                if child is not None:
+                    child.inc(delta)  # type: ignore[attr-defined]
+
+
+def refresh_log_level() -> None:
+    """Read whether ALLOW decisions get log lines (DEBUG on the guard logger); the fold thread does it each pass."""
+    global _allow_lines
+    _allow_lines = logger.isEnabledFor(logging.DEBUG)
+
+
+def _start_flusher() -> None:
+    """Start this process's fold thread once (again in a forked child)."""
+    global _flusher
+    refresh_log_level()
+    with _lock:
+        if _flusher is None:
+            _flusher = threading.Thread(target=_flush_forever, name="sglang-harden-events", daemon=True)
+            _flusher.start()
+
+
+def _flush_forever() -> None:
+    while True:
+        time.sleep(FLUSH_INTERVAL_S)
+        _fold_tallies()
+        refresh_log_level()
+
+
+def _forget_flusher_in_child() -> None:
+    global _flusher
+    _flusher = None
+
+
+os.register_at_fork(after_in_child=_forget_flusher_in_child)
+
+
 def _counter_child(guard: str, label: str) -> object | None:
     """The labelled counter sample, looked up once per (guard, decision) rather than once per decision."""
     child = _prom_children.get((guard, label))
@@ -93,6 +176,7 @@ def _log_line(decision: Decision, mode: Mode, label: str, context: dict[str, obj
 
 
 def snapshot() -> dict[str, int]:
+    _fold_tallies()
     with _lock:
         return {f"{g}:{d}": n for (g, d), n in sorted(_counts.items())}
 
@@ -100,3 +184,5 @@ def snapshot() -> dict[str, int]:
 def reset_for_tests() -> None:
     with _lock:
         _counts.clear()
+        for tally in _tallies:
+            tally.folded = tally.n

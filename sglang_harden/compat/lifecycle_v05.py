@@ -77,6 +77,8 @@ GAUGE_NAME = "sglang_harden_quarantined_pages"
 # the ALLOW decisions of a transfer's hot path, made once (the hooks' log lines carry the room / rid)
 PUBLISHED = allow(lifecycle.GUARD)
 TAGS_OK = allow(page_tags.GUARD)
+PUBLISHED_TALLY = events.Tally(PUBLISHED)
+TAGS_OK_TALLY = events.Tally(TAGS_OK)
 FREE = int(PageState.FREE)
 WRITING = int(PageState.WRITING)
 QUARANTINED = int(PageState.QUARANTINED)
@@ -559,7 +561,9 @@ def _send_metadata(original: Func) -> Func:
         pages = np.asarray(kv_indices, dtype=np.int64)
         decision = node.begin(int(self.bootstrap_room), str(self.bootstrap_addr), len(self.bootstrap_infos),
                               pages, self)
-        if events.record(decision, RUNTIME.config.lifecycle, room=self.bootstrap_room):
+        if decision is PUBLISHED:
+            PUBLISHED_TALLY.bump(RUNTIME.config.lifecycle, room=self.bootstrap_room)
+        elif events.record(decision, RUNTIME.config.lifecycle, room=self.bootstrap_room):
             self.kv_mgr.record_failure(self.bootstrap_room, decision.reason)
             self.abort()
         return result
@@ -589,20 +593,29 @@ def _commit_with_tags(original: Func) -> Func:
     def commit(self: Any, decode_req: Any) -> Any:
         node = NODE
         req = decode_req.req
-        room = getattr(req, "bootstrap_room", None)
         result = original(self, decode_req)
         transfer = getattr(decode_req, TRANSFER_ATTR, None)
         if transfer is None or _aborted(req):
             return result
-        decision = check_request_pages(node, self.scheduler, req, transfer)  # type: ignore[arg-type]
-        if events.record(decision, RUNTIME.config.page_tags, room=room, rid=req.rid):
+        refused = verify_page_tags(node, self.scheduler, req, transfer)  # type: ignore[arg-type]
+        if refused is not None:
             from sglang.srt.disaggregation.utils import prepare_abort
 
-            prepare_abort(req, "sglang-harden page ownership check failed: " + decision.reason,
-                          status_code=decision.status_code or 500)
+            prepare_abort(req, "sglang-harden page ownership check failed: " + refused.reason,
+                          status_code=refused.status_code or 500)
         return result
 
     return commit
+
+
+def verify_page_tags(node: DecodeNode, scheduler: Any, req: Any, transfer: Transfer) -> Decision | None:
+    """Check and count the page tags of a committed request; the decision when it must be aborted."""
+    decision = check_request_pages(node, scheduler, req, transfer)
+    mode = RUNTIME.config.page_tags
+    if decision is TAGS_OK:
+        TAGS_OK_TALLY.bump(mode, room=transfer.room, rid=req.rid)
+        return None
+    return decision if events.record(decision, mode, room=transfer.room, rid=req.rid) else None
 
 
 def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Transfer) -> Decision:

@@ -341,8 +341,9 @@ class PageLedger:
         return int(first) if np.count_nonzero(owner_ids != first) == 0 else MIXED
 
     def release_unwritable(self, pages: Any) -> tuple[int, str | None]:
-        """A free path's usual case in one step: ``pages`` all belong to one owner and none is WRITING (so no
-        writer can still write them; whether it drained does not matter) or QUARANTINED: release them all, as
+        """A free path's usual case in one step: the tracked pages of ``pages`` (FREE ones, such as the slots of
+        tokens decode generated itself, are left as they are) all belong to one owner and none is WRITING (so no
+        writer can still write them; whether it drained does not matter) or QUARANTINED: release them, as
         :meth:`release_bulk` would, and return ``(RELEASED, owner)``. Otherwise change nothing and return
         ``(NONE_TRACKED, None)`` (every page FREE) or ``(MIXED, None)`` (anything else: use release_bulk)."""
         ops = self._native_ops if self._native_ops is not None else self._load_native()
@@ -350,20 +351,21 @@ class PageLedger:
             found = ops.release_unwritable(ops.state, ops.owner, self.num_pages, pages)
             if found >= 0:
                 owner = self._owner_names[found]
-                if pages.size:
-                    self._forget_if_empty(found)
+                self._forget_if_empty(found)
                 return RELEASED, owner
             if found != _NATIVE_NOT_HANDLED:
                 return found, None
-        sole = self.sole_owner(pages)
-        if sole < 0:
-            return sole, None
         np = _numpy()
-        states = self._np_columns()[0][pages]
-        if np.count_nonzero(states == _WRITING) or np.count_nonzero(states == _QUARANTINED):
+        states = self._np_columns()[0]
+        tracked = pages[states[pages] != _FREE]
+        if not tracked.size:
+            return NONE_TRACKED, None
+        sole = self.sole_owner(tracked)
+        tracked_states = states[tracked]
+        if sole < 0 or np.count_nonzero(tracked_states == _WRITING) or np.count_nonzero(tracked_states == _QUARANTINED):
             return MIXED, None
         owner = self._owner_names[sole]
-        self.release_bulk(owner, pages, writer_drained=False)
+        self.release_bulk(owner, tracked, writer_drained=False)
         return RELEASED, owner
 
     def owner_ids_of(self, pages: Any) -> Any:

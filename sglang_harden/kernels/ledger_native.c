@@ -169,30 +169,25 @@ static int64_t do_sole_owner(const int8_t *state, const int64_t *owner, int64_t 
     return result;
 }
 
-/* release_unwritable: pages of one owner, none FREE, WRITING or QUARANTINED (no writer can still write them) ->
- * FREE; returns that owner id; NONE_TRACKED: every page FREE (nothing written); MIXED or -4: nothing written. */
+/* release_unwritable: the tracked (non-FREE) pages all of one owner and none WRITING or QUARANTINED (no writer can
+ * still write them) -> FREE; FREE pages among them (e.g. decode's generated tokens, never tracked) stay FREE.
+ * Returns that owner id; NONE_TRACKED: every page FREE; MIXED or -4: nothing written. */
 static int64_t do_release_unwritable(int8_t *state, int64_t *owner, int64_t num_pages, PyObject *pages) {
     pages_t p;
     if (open_pages(pages, &p) != 0) return -4;
     int64_t result = -4;
     if (all_in_range(&p, num_pages)) {
-        Py_ssize_t free_pages = 0;
-        int64_t first = p.n ? owner[page_at(&p, 0)] : NO_OWNER;
-        result = first;
+        Py_ssize_t tracked = 0;
+        int64_t first = NO_OWNER;
+        result = NONE_TRACKED;
         for (Py_ssize_t i = 0; i < p.n; i++) {
             int64_t page = page_at(&p, i);
             int8_t st = state[page];
-            if (st == FREE) {
-                free_pages++;
-            } else if (owner[page] != first || st == WRITING || st == QUARANTINED) {
-                result = MIXED;
-            }
+            if (st == FREE) continue;
+            if (tracked++ == 0) first = owner[page];
+            if (owner[page] != first || st == WRITING || st == QUARANTINED) result = MIXED;
         }
-        if (free_pages == p.n) {
-            result = NONE_TRACKED;
-        } else if (free_pages) {
-            result = MIXED;
-        }
+        if (tracked && result != MIXED) result = first;
         if (result >= 0) {
             for (Py_ssize_t i = 0; i < p.n; i++) {
                 int64_t page = page_at(&p, i);

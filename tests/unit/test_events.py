@@ -56,3 +56,31 @@ def test_allow_is_counted_and_logged_only_at_debug(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.DEBUG, logger="sglang_harden"):
         events.record(allow("lifecycle", room=2), Mode.ENFORCE)
     assert _lines(caplog)[-1]["room"] == 2
+
+
+def test_tally_counts_each_allow_and_snapshot_folds_them(caplog: pytest.LogCaptureFixture) -> None:
+    tally = events.Tally(allow("page_tags"))
+    with caplog.at_level(logging.INFO, logger="sglang_harden"):
+        events.refresh_log_level()
+        for room in range(5):
+            tally.bump(Mode.ENFORCE, room=room)
+        tally.bump(Mode.LOG, room=5)
+        tally.bump(Mode.OFF, room=6)  # off decides nothing
+    assert events.snapshot() == {"page_tags:allow": 6} and _lines(caplog) == []
+    assert events.snapshot() == {"page_tags:allow": 6}  # folded once, not again
+
+
+def test_tally_writes_each_decisions_line_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    tally = events.Tally(allow("lifecycle"))
+    with caplog.at_level(logging.DEBUG, logger="sglang_harden"):
+        events.refresh_log_level()
+        tally.bump(Mode.ENFORCE, room=41)
+        tally.bump(Mode.ENFORCE, room=42)
+    events.refresh_log_level()
+    assert [line["room"] for line in _lines(caplog)] == [41, 42]
+    assert events.snapshot() == {"lifecycle:allow": 2}
+
+
+def test_only_allowing_decisions_are_tallied() -> None:
+    with pytest.raises(ValueError, match="only an allowing decision"):
+        events.Tally(REJECT)

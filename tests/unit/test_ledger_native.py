@@ -105,6 +105,30 @@ def test_usual_transfer_runs_native() -> None:
     assert not ledger.holds_pages("r") and ledger._native_ops
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_free_with_untracked_generated_slots_is_the_usual_case(native: bool) -> None:
+    """Decode frees a finished request's prompt pages (tracked) together with the slots of the tokens it generated
+    itself (never tracked, FREE in the ledger): that is still one owner's unwritable pages, released in one step."""
+    if native and not native_status()[0]:
+        pytest.skip(f"native ledger unavailable: {native_status()[1]}")
+    ledger = PageLedger(16, native=native)
+    prompt = np.array([3, 4, 5], dtype=np.int64)
+    ledger.reserve_bulk("r", prompt, PageState.WRITING)
+    ledger.move_bulk("r", prompt, PageState.WRITTEN)
+    freed = np.array([3, 4, 5, 9, 10], dtype=np.int64)  # 9, 10: generated on decode
+    assert ledger.release_unwritable(freed) == (0, "r")
+    assert not ledger.holds_pages("r")
+    assert all(ledger.state(p) is PageState.FREE for p in range(16))
+
+
+def test_free_with_untracked_slots_still_refuses_writing_pages() -> None:
+    ledger = PageLedger(16)
+    pages = np.array([3, 4], dtype=np.int64)
+    ledger.reserve_bulk("r", pages, PageState.WRITING)
+    assert ledger.release_unwritable(np.array([3, 4, 9], dtype=np.int64)) == (-3, None)
+    assert ledger.state(3) is PageState.WRITING and ledger.holds_pages("r")
+
+
 def test_switch_forces_numpy_path(tmp_path: Any) -> None:
     code = ("from sglang_harden.kernels.ledger_native import native_status\n"
             "from sglang_harden.guards.lifecycle import PageLedger\n"

@@ -1,0 +1,41 @@
+"""A tallied ALLOW reaches the real Prometheus counter without anyone asking for a snapshot (the fold thread).
+
+Runs where prometheus_client is installed (a pin venv: ``scripts/run_tests.sh`` runs it there)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sglang_harden import events
+from sglang_harden.config import Mode
+from sglang_harden.guards.base import allow
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+def _sample(guard: str, decision: str) -> float:
+    value = prometheus_client.REGISTRY.get_sample_value(
+        events.METRIC_NAME + "_total", {"guard": guard, "decision": decision}
+    )
+    return value or 0.0
+
+
+def test_fold_thread_moves_tallies_into_the_prometheus_counter() -> None:
+    tally = events.Tally(allow("prom_probe"))
+    before = _sample("prom_probe", "allow")
+    for room in range(3):
+        tally.bump(Mode.ENFORCE, room=room)
+    deadline = time.monotonic() + 10 * events.FLUSH_INTERVAL_S
+    while _sample("prom_probe", "allow") < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sample("prom_probe", "allow") == before + 3
+
+
+def test_recorded_and_tallied_allows_share_one_counter() -> None:
+    tally = events.Tally(allow("prom_mix"))
+    tally.bump(Mode.ENFORCE)
+    events.record(allow("prom_mix"), Mode.ENFORCE)
+    events.snapshot()
+    assert _sample("prom_mix", "allow") == 2
