@@ -27,7 +27,10 @@ finished transfer's pages, free of untracked decode pages) as the minimum over r
 ``ratio_from_hook_cost`` = (vanilla unit min + added work min) / vanilla unit min (per transfer, the vanilla unit is
 timed in the same rounds as the added work). ``transfer`` times the added work back to back (warm caches);
 ``transfer_after_kv_copy`` runs the vanilla unit's KV copy between the publish and the commit, as in a server,
-so the commit and free find their code and data evicted (cold caches).
+so the commit and free find their code and data evicted (cold caches), and charges the hooks the interpreter's
+re-entry into cold code. ``cold_marginal_min_us`` instead times each hook point cold both ways, the plain SGLang
+call there and the hooked one, alternately, and takes the difference (``transfer_cold_marginal``): in a server
+that re-entry is paid by whichever code runs first at that point, hooked or not.
 Prints the absolute added time (microseconds) and the ratio hardened / vanilla for both units.
 """
 
@@ -96,9 +99,7 @@ class Bench:
         self.room += 1
         if self.hardened:
             lifecycle_v05._send_metadata(lambda *a, **k: None)(Receiver(self.room), idx.numpy())
-        for layer in range(len(self.k)):  # the bytes the transport writes
-            self.k[layer][idx] = self.src
-            self.v[layer][idx] = self.src
+        self.kv_copy(idx)  # the bytes the transport writes
         self.meta.get_buf(0)
         if self.hardened:
             node = lifecycle_v05.NODE
@@ -108,6 +109,12 @@ class Bench:
             refused = lifecycle_v05.verify_page_tags(node, scheduler, req, transfer)
             assert refused is None, refused.reason
         self.free_fn(self.alloc, torch.cat((idx, generated)))
+
+    def kv_copy(self, idx: torch.Tensor) -> None:
+        """Write one transfer's KV bytes into the pool (what evicts the caches between a transfer's hooks)."""
+        for layer in range(len(self.k)):
+            self.k[layer][idx] = self.src
+            self.v[layer][idx] = self.src
 
     # ---- one decode step for a batch
     def decode_step(self, state: dict[str, Any]) -> None:
@@ -201,6 +208,61 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
     return {k: round(v, 1) for k, v in zip(keys, best, strict=True)}
 
 
+def _cold_marginal(bench: Bench, rounds: int, node: Any, frees: tuple[Callable[..., Any], Callable[..., Any]]
+                   ) -> dict[str, float]:
+    """Each hook point with cold caches, hooked and plain call alternately, min over ``rounds`` per variant.
+
+    Before every timed call a KV copy evicts the caches. The plain call is what SGLang runs there anyway: the
+    receiver's metadata send (here a no-op), the metadata read that precedes the commit (``get_buf``) and the
+    allocator's own ``free`` of the request's slots (transferred and generated). The hooked call is the same
+    plus the hook (publish, finish + page tags, ledger release). Their difference is what the hook adds: the
+    interpreter's re-entry into cold code, which ``transfer_after_kv_copy`` charges to the hooks, is paid here by
+    whichever code runs first at that point, as in a server."""
+    from sglang_harden.compat import lifecycle_v05
+
+    n = bench.args.tokens
+    vanilla_free, hooked_free = frees
+    send = lambda *a, **k: None  # noqa: E731 - the receiver's own send, a stand-in
+    publish = lifecycle_v05._send_metadata(send)
+    scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=bench.table))
+    best: dict[str, list[float]] = {k: [1e9, 1e9] for k in ("publish", "commit", "free")}
+
+    def one(hardened: bool, room: int) -> None:
+        idx = bench.alloc.alloc(n)
+        generated = bench.alloc.alloc(bench.args.output_tokens)
+        bench.table[3, :n] = idx.to(torch.int32)
+        slots = torch.cat((idx, generated))
+        pages, receiver = idx.numpy(), Receiver(room)
+        req = SimpleNamespace(rid="r", origin_input_ids=range(n), req_pool_idx=3, kv=None, prefix_indices=None)
+        lifecycle_v05.NODE = node if hardened else None
+        bench.kv_copy(idx)
+        t0 = time.perf_counter()
+        (publish if hardened else send)(receiver, pages)
+        t1 = time.perf_counter()
+        bench.kv_copy(idx)
+        t2 = time.perf_counter()
+        bench.meta.get_buf(0)
+        if hardened:
+            assert lifecycle_v05.verify_page_tags(node, scheduler, req, node.finish(room)) is None
+        t3 = time.perf_counter()
+        bench.kv_copy(idx)
+        t4 = time.perf_counter()
+        (hooked_free if hardened else vanilla_free)(bench.alloc, slots)
+        t5 = time.perf_counter()
+        for key, elapsed in (("publish", t1 - t0), ("commit", t3 - t2), ("free", t5 - t4)):
+            best[key][hardened] = min(best[key][hardened], elapsed * 1e6)
+
+    for i in range(rounds):
+        for hardened in ((False, True) if i % 2 else (True, False)):
+            one(hardened, 20_000_000 + 2 * i + hardened)
+    lifecycle_v05.NODE = None
+    out = {}
+    for key, (plain, hooked) in best.items():
+        out[f"{key}_plain_us"], out[f"{key}_hooked_us"] = round(plain, 1), round(hooked, 1)
+        out[f"{key}_added_us"] = round(hooked - plain, 1)
+    return out
+
+
 def _per_transfer(hooks: dict[str, float]) -> float:
     return hooks["publish_us"] + hooks["commit_tags_us"] + hooks["free_tracked_us"]
 
@@ -255,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     lifecycle_v05.NODE = node
     hooks = _hook_cost(bench, args.hook_rounds, set_phase, after_transfer=False)
     cold = _hook_cost(bench, args.hook_rounds, set_phase, after_transfer=True)
+    marginal = _cold_marginal(bench, args.hook_rounds, node, (vanilla_free, hooked_free))
     lifecycle_v05.NODE = None
     assert node.ledger.quarantined_count() == 0
     assert int(np.count_nonzero(node.states)) == 0, "every page back to FREE in the ledger"
@@ -266,9 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     v_cold = cold.pop("vanilla_transfer_us")
     out["vanilla_transfer_min_us_same_phase"] = v_transfer
     out["hook_cost_after_transfer_min_us"] = cold
+    out["cold_marginal_min_us"] = marginal
+    added_cold = sum(marginal[f"{key}_added_us"] for key in ("publish", "commit", "free"))
     added_step = hooks["free_untracked_us"] / args.finish_every
     out["ratio_from_hook_cost"] = {"transfer": round((v_transfer + _per_transfer(hooks)) / v_transfer, 5),
                                    "transfer_after_kv_copy": round((v_cold + _per_transfer(cold)) / v_cold, 5),
+                                   "transfer_cold_marginal": round((v_cold + added_cold) / v_cold, 5),
                                    "decode_step": round((v_step + added_step) / v_step, 5)}
     if args.json:
         print(json.dumps(out))
