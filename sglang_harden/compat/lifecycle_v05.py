@@ -152,9 +152,11 @@ class DecodeNode:
 
     # ---- transfer path (scheduler thread)
     def begin(self, room: int, addr: str, required_acks: int, pages: np.ndarray, receiver: Any) -> Decision:
+        """Reserve ``pages`` for the room's transfer, already handed to its writer. ``pages`` becomes the ledger's
+        (the caller never changes it afterwards)."""
         owner = owner_of_room(room)
         try:
-            generation = self.ledger.reserve_bulk(owner, pages, PageState.WRITING)
+            generation = self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
         except LedgerError as exc:
             return Decision(lifecycle.GUARD, Verdict.ABORT, f"destination page not free: {exc}", 500,
                             {"room": room})
@@ -222,6 +224,22 @@ class DecodeNode:
             return None
         held = self.states[pages] == QUARANTINED
         return held if held.any() else None
+
+    def released_in_place(self, free_index: Any) -> bool:
+        """Enforce mode's usual free (one request's pages, none still writable, or none tracked) in one native
+        call over a CPU index tensor's own memory, without making a numpy array of it. False: nothing changed,
+        the caller runs :meth:`keep_back`."""
+        if RUNTIME.config.lifecycle is not Mode.ENFORCE or self.page_size != 1 or not free_index.is_cpu:
+            return False
+        wide = _index_width(free_index)
+        if wide is None or not free_index.is_contiguous():
+            return False
+        found, owner = self.ledger.release_unwritable_at(free_index.data_ptr(), free_index.numel(), wide)
+        if found == lifecycle.RELEASED:
+            if owner is not None and self._all_free(owner):
+                self._forget(owner)
+            return True
+        return found == lifecycle.NONE_TRACKED
 
     def _release(self, owner: str, pages: np.ndarray, mode: Mode) -> None:
         drained = self.drained(owner)
@@ -455,6 +473,18 @@ def _pages_of(free_index: Any, page_size: int) -> np.ndarray:
     return arr // page_size if page_size > 1 else arr
 
 
+_INDEX_WIDTHS: dict[Any, bool] = {}  # torch.int64 -> wide, torch.int32 -> not (filled on first use)
+
+
+def _index_width(tensor: Any) -> bool | None:
+    """Whether an index tensor holds int64 (True) or int32 (False); None for any other dtype."""
+    if not _INDEX_WIDTHS:
+        import torch
+
+        _INDEX_WIDTHS.update({torch.int64: True, torch.int32: False})
+    return _INDEX_WIDTHS.get(tensor.dtype)
+
+
 def _filter(node: DecodeNode | PrefillNode, pages: np.ndarray) -> np.ndarray | None:
     mode = RUNTIME.config.lifecycle
     return node.keep_back(pages, mode)
@@ -464,6 +494,8 @@ def _token_free(original: Func) -> Func:
     def free(self: Any, free_index: Any) -> Any:
         node = NODE
         if node is None or self is not node.allocator or free_index.numel() == 0:
+            return original(self, free_index)
+        if isinstance(node, DecodeNode) and node.released_in_place(free_index):
             return original(self, free_index)
         keep = _filter(node, _pages_of(free_index, 1))
         if keep is None:
@@ -558,7 +590,7 @@ def _send_metadata(original: Func) -> Func:
         result = original(self, kv_indices, *args, **kwargs)
         if getattr(self, "bootstrap_infos", None) is None:
             return result  # nothing was published: no writer for these pages
-        pages = np.asarray(kv_indices, dtype=np.int64)
+        pages = np.array(kv_indices, dtype=np.int64)  # the ledger's own copy (see DecodeNode.begin)
         decision = node.begin(int(self.bootstrap_room), str(self.bootstrap_addr), len(self.bootstrap_infos),
                               pages, self)
         if decision is PUBLISHED:

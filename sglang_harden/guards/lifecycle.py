@@ -37,6 +37,7 @@ NO_OWNER = -1
 NONE_TRACKED = -2  # sole_owner: every page is FREE
 MIXED = -3  # sole_owner: FREE and tracked pages, or several owners
 RELEASED = 0  # release_unwritable: the pages were freed
+NOT_HANDLED_HERE = -4  # release_unwritable_at: the native library did not take these pages; nothing changed
 
 
 class PageState(IntEnum):
@@ -201,9 +202,11 @@ class PageLedger:
 
     # ---- bulk variants: the same rules over a numpy index array, for a host's hot path (numpy imported lazily).
     # Each costs a handful of numpy calls whatever the page count; duplicate pages are harmless everywhere.
-    def reserve_bulk(self, owner: str, pages: Any, initial: PageState = PageState.RESERVED) -> int:
+    def reserve_bulk(self, owner: str, pages: Any, initial: PageState = PageState.RESERVED, *,
+                     handed_over: bool = False) -> int:
         """:meth:`reserve` over an int64 numpy array of pages, in O(pages) vectorised work. ``initial=WRITING``
-        reserves and hands the pages to the writer in one pass (reserve + :meth:`begin_write`)."""
+        reserves and hands the pages to the writer in one pass (reserve + :meth:`begin_write`). The ledger keeps
+        a copy of ``pages``, or the array itself when ``handed_over`` (the caller made it and never changes it)."""
         if initial not in (PageState.RESERVED, PageState.WRITING):
             raise ValueError(f"a reservation starts RESERVED or WRITING, not {initial.name}")
         ops = self._native_ops if self._native_ops is not None else self._load_native()
@@ -211,7 +214,7 @@ class PageLedger:
             owner_id = self._owner_ids.get(owner, self._next_owner_id)  # the id _intern gives a new owner
             if ops.reserve(ops.state, ops.owner, ops.generation, self.num_pages, pages, int(initial), owner_id,
                            self._next_generation) == _DONE:
-                return self._reserved(owner, pages)
+                return self._reserved(owner, pages if handed_over else pages.copy())
         np = _numpy()
         states, owners, generations = self._np_columns()
         if pages.size and np.count_nonzero(states[pages]):  # FREE is 0
@@ -220,13 +223,13 @@ class PageLedger:
         states[pages] = int(initial)
         owners[pages] = self._intern(owner)
         generations[pages] = self._next_generation
-        return self._reserved(owner, pages)
+        return self._reserved(owner, pages if handed_over else pages.copy())
 
     def _reserved(self, owner: str, pages: Any) -> int:
         """Book a bulk reservation whose column entries are written: its generation, its owner's page list."""
         generation = self._next_generation
         self._next_generation += 1
-        self._reservations[self._intern(owner)].append(pages.copy())  # the caller may reuse its array
+        self._reservations[self._intern(owner)].append(pages)
         return generation
 
     def move_bulk(self, owner: str, pages: Any, target: PageState) -> Any:
@@ -368,6 +371,20 @@ class PageLedger:
         self.release_bulk(owner, tracked, writer_drained=False)
         return RELEASED, owner
 
+    def release_unwritable_at(self, address: int, count: int, wide: bool) -> tuple[int, str | None]:
+        """:meth:`release_unwritable` over ``count`` page numbers (int64 if ``wide``, else int32) at a host address
+        (a CPU tensor's memory, read in place). Native only: without the library, or for pages it does not
+        handle, nothing changes and the answer is ``(NOT_HANDLED_HERE, None)``."""
+        ops = self._native_ops if self._native_ops is not None else self._load_native()
+        if not ops:
+            return NOT_HANDLED_HERE, None
+        found = ops.release_unwritable_at(ops.state, ops.owner, self.num_pages, address, count, int(wide))
+        if found >= 0:
+            owner = self._owner_names[found]
+            self._forget_if_empty(found)
+            return RELEASED, owner
+        return (found, None) if found in (NONE_TRACKED, MIXED) else (NOT_HANDLED_HERE, None)
+
     def owner_ids_of(self, pages: Any) -> Any:
         """Owner ids (numpy) of ``pages``; :meth:`owner_name` turns one into the owner's name."""
         return self._np_columns()[1][pages]
@@ -488,8 +505,9 @@ _NATIVE_NOT_HANDLED = -4  # sole_owner's
 class _NativeOps:
     """The native functions and the addresses of one ledger's three columns (fixed: the columns never resize)."""
 
-    __slots__ = ("reserve", "move", "release", "count_owned", "sole_owner", "release_unwritable", "owned_written",
-                 "row_owned_written", "state", "owner", "generation", "_columns")
+    __slots__ = ("reserve", "move", "release", "count_owned", "sole_owner", "release_unwritable",
+                 "release_unwritable_at", "owned_written", "row_owned_written", "state", "owner", "generation",
+                 "_columns")
 
     def __init__(self, lib: Any, state: array, owner: array, generation: array) -> None:
         self.reserve = lib.reserve
@@ -498,6 +516,7 @@ class _NativeOps:
         self.count_owned = lib.count_owned
         self.sole_owner = lib.sole_owner
         self.release_unwritable = lib.release_unwritable
+        self.release_unwritable_at = lib.release_unwritable_at
         self.owned_written = lib.owned_written
         self.row_owned_written = lib.row_owned_written
         self._columns = (state, owner, generation)  # keeps the memory behind the addresses alive

@@ -16,6 +16,7 @@ enum { NOT_HANDLED = 0, DONE = 1, MISMATCH = 2 };
 #define NO_OWNER (-1)
 #define MIXED (-3)
 #define NONE_TRACKED (-2)
+#define ADDR(x) ((void *)(intptr_t)(x))
 
 typedef struct {
     Py_buffer view;
@@ -172,32 +173,47 @@ static int64_t do_sole_owner(const int8_t *state, const int64_t *owner, int64_t 
 /* release_unwritable: the tracked (non-FREE) pages all of one owner and none WRITING or QUARANTINED (no writer can
  * still write them) -> FREE; FREE pages among them (e.g. decode's generated tokens, never tracked) stay FREE.
  * Returns that owner id; NONE_TRACKED: every page FREE; MIXED or -4: nothing written. */
+static int64_t release_unwritable_core(int8_t *state, int64_t *owner, int64_t num_pages, const pages_t *p) {
+    if (!all_in_range(p, num_pages)) return -4;
+    Py_ssize_t tracked = 0;
+    int64_t first = NO_OWNER;
+    int64_t result = NONE_TRACKED;
+    for (Py_ssize_t i = 0; i < p->n; i++) {
+        int64_t page = page_at(p, i);
+        int8_t st = state[page];
+        if (st == FREE) continue;
+        if (tracked++ == 0) first = owner[page];
+        if (owner[page] != first || st == WRITING || st == QUARANTINED) result = MIXED;
+    }
+    if (tracked && result != MIXED) result = first;
+    if (result >= 0) {
+        for (Py_ssize_t i = 0; i < p->n; i++) {
+            int64_t page = page_at(p, i);
+            state[page] = FREE;
+            owner[page] = NO_OWNER;
+        }
+    }
+    return result;
+}
+
 static int64_t do_release_unwritable(int8_t *state, int64_t *owner, int64_t num_pages, PyObject *pages) {
     pages_t p;
     if (open_pages(pages, &p) != 0) return -4;
-    int64_t result = -4;
-    if (all_in_range(&p, num_pages)) {
-        Py_ssize_t tracked = 0;
-        int64_t first = NO_OWNER;
-        result = NONE_TRACKED;
-        for (Py_ssize_t i = 0; i < p.n; i++) {
-            int64_t page = page_at(&p, i);
-            int8_t st = state[page];
-            if (st == FREE) continue;
-            if (tracked++ == 0) first = owner[page];
-            if (owner[page] != first || st == WRITING || st == QUARANTINED) result = MIXED;
-        }
-        if (tracked && result != MIXED) result = first;
-        if (result >= 0) {
-            for (Py_ssize_t i = 0; i < p.n; i++) {
-                int64_t page = page_at(&p, i);
-                state[page] = FREE;
-                owner[page] = NO_OWNER;
-            }
-        }
-    }
+    int64_t result = release_unwritable_core(state, owner, num_pages, &p);
     PyBuffer_Release(&p.view);
     return result;
+}
+
+/* The same over n int32 (wide 0) or int64 (wide 1) page numbers at a raw host address (a CPU tensor's memory,
+ * read without making a numpy array of it). */
+static int64_t do_release_unwritable_at(int8_t *state, int64_t *owner, int64_t num_pages, int64_t addr, int64_t n,
+                                        int64_t wide) {
+    if (addr == 0 || n < 0 || (wide != 0 && wide != 1)) return -4;
+    pages_t p;
+    p.view.buf = ADDR(addr);
+    p.n = (Py_ssize_t)n;
+    p.wide = (int)wide;
+    return release_unwritable_core(state, owner, num_pages, &p);
 }
 
 /* Page tags: every entry / page_size names a page owned by owner_id at `generation` and WRITTEN.
@@ -270,7 +286,6 @@ static int parse(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_ss
     return 0;
 }
 
-#define ADDR(x) ((void *)(intptr_t)(x))
 
 /* reserve(state, owner, gen, num_pages, pages, initial, owner_id, generation) */
 static PyObject *py_reserve(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -320,6 +335,13 @@ static PyObject *py_release_unwritable(PyObject *self, PyObject *const *args, Py
     return PyLong_FromLongLong(do_release_unwritable(ADDR(a[0]), ADDR(a[1]), a[2], pages));
 }
 
+/* release_unwritable_at(state, owner, num_pages, addr, n, wide) */
+static PyObject *py_release_unwritable_at(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[6];
+    if (parse(args, nargs, 6, -1, a, NULL)) return NULL;
+    return PyLong_FromLongLong(do_release_unwritable_at(ADDR(a[0]), ADDR(a[1]), a[2], a[3], a[4], a[5]));
+}
+
 /* owned_written(state, owner, gen, num_pages, pages, page_size, owner_id, generation) */
 static PyObject *py_owned_written(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t a[8];
@@ -339,7 +361,7 @@ static PyObject *py_row_owned_written(PyObject *self, PyObject *const *args, Py_
 
 #define FN(name) {#name, (PyCFunction)(void (*)(void))py_##name, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {FN(reserve), FN(move), FN(release), FN(count_owned), FN(sole_owner),
-                                FN(release_unwritable), FN(owned_written),
+                                FN(release_unwritable), FN(release_unwritable_at), FN(owned_written),
                                 FN(row_owned_written), {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "sglang_harden_ledger_native", NULL, -1, methods,

@@ -198,6 +198,42 @@ def test_completed_transfer_frees_normally(allocator: Any) -> None:
     assert not node.transfers, "bookkeeping of a finished transfer is dropped"
 
 
+def _no_numpy_copy(*_: Any) -> None:
+    raise AssertionError("the usual free must read the index tensor in place, not make a numpy array of it")
+
+
+def test_usual_free_reads_the_index_tensor_in_place(allocator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished request's free (its transferred slots and those of the tokens decode generated) is one native
+    call over the index tensor's memory."""
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    transferred, generated = allocator.alloc(12), allocator.alloc(4)
+    _publish(Receiver(ROOM_B), transferred)
+    node.finish(ROOM_B)
+    monkeypatch.setattr(lifecycle_v05, "_pages_of", _no_numpy_copy)
+    allocator.free(torch.cat((transferred, generated)))
+    assert allocator.available_size() == POOL and not node.transfers
+    assert not node.ledger.holds_pages(lifecycle_v05.owner_of_room(ROOM_B))
+    untracked = allocator.alloc(5)
+    allocator.free(untracked)  # none tracked: in place too
+    assert allocator.available_size() == POOL
+
+
+def test_in_place_free_reads_int32_and_leaves_strided_indices_to_the_general_path(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=40)
+    lifecycle_v05.NODE = node
+    slots = allocator.alloc(6)
+    _publish(Receiver(ROOM_A), slots)
+    strided = torch.stack((slots, slots), dim=1)[:, 0]
+    assert not strided.is_contiguous() and not node.released_in_place(strided)
+    assert not node.released_in_place(slots.to(torch.int32)), "still being written: the general path decides"
+    assert node.ledger.state(int(slots[0])) is PageState.WRITING
+    node.finish(ROOM_A)
+    assert node.released_in_place(slots.to(torch.int32))
+    assert node.ledger.state(int(slots[0])) is PageState.FREE and not node.transfers
+    allocator.free(slots)
+
+
 def test_log_mode_reports_only_what_enforce_would_quarantine(allocator: Any) -> None:
     saved = RUNTIME.config
     RUNTIME.config = dataclasses.replace(saved, lifecycle=Mode.LOG)

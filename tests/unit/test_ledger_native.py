@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.guards.lifecycle import LedgerError, PageLedger, PageState
+from sglang_harden.guards.lifecycle import NOT_HANDLED_HERE, LedgerError, PageLedger, PageState
 from sglang_harden.kernels.ledger_native import native_status
 
 np = pytest.importorskip("numpy")
@@ -30,6 +30,7 @@ operations = st.lists(
         st.tuples(st.just("row_tags"), st.sampled_from(OWNERS), page_lists, dtypes, st.integers(-1, 3)),
         st.tuples(st.just("sole"), st.just(""), page_lists, dtypes, st.booleans()),
         st.tuples(st.just("unwritable"), st.just(""), page_lists, dtypes, st.booleans()),
+        st.tuples(st.just("unwritable_at"), st.just(""), page_lists, dtypes, st.booleans()),
         st.tuples(st.just("confirm"), st.sampled_from(OWNERS), st.just([]), dtypes, st.booleans()),
     ),
     max_size=40,
@@ -67,6 +68,9 @@ def _apply(ledger: PageLedger, op: tuple[Any, ...], generations: dict[str, int])
             return ledger.sole_owner(pages)
         if name == "unwritable":
             return ledger.release_unwritable(pages)
+        if name == "unwritable_at":  # as the free hook does: in place first, the general path where not handled
+            found = ledger.release_unwritable_at(pages.ctypes.data, pages.size, pages.dtype == np.int64)
+            return found if found[0] != NOT_HANDLED_HERE else ledger.release_unwritable(pages)
         return ledger.confirm_drained(owner)
     except (LedgerError, IndexError) as exc:
         return type(exc).__name__
