@@ -140,8 +140,10 @@ def _flush_forever() -> None:
 
 
 def _forget_flusher_in_child() -> None:
-    global _flusher
+    """A forked child has no fold thread, and a lock some parent thread held at the fork stays held: renew both."""
+    global _flusher, _lock
     _flusher = None
+    _lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_flusher_in_child)
