@@ -199,14 +199,8 @@ class DecodeNode:
     # ---- free path (scheduler thread)
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
         """Mask of ``pages`` that must not reach the free list (None: free them all)."""
-        if mode is Mode.ENFORCE:  # the usual free: one request's pages, none still writable
-            found, owner = self.ledger.release_unwritable(pages)
-            if found == lifecycle.NONE_TRACKED:
-                return None
-            if owner is not None:
-                if self._all_free(owner):
-                    self._forget(owner)
-                return None
+        if mode is Mode.ENFORCE and self._usual_free_done(*self.ledger.release_unwritable(pages)):
+            return None
         sole = self.ledger.sole_owner(pages)
         if sole == lifecycle.NONE_TRACKED:
             return None
@@ -234,7 +228,12 @@ class DecodeNode:
         wide = _index_width(free_index)
         if wide is None or not free_index.is_contiguous():
             return False
-        found, owner = self.ledger.release_unwritable_at(free_index.data_ptr(), free_index.numel(), wide)
+        return self._usual_free_done(*self.ledger.release_unwritable_at(free_index.data_ptr(), free_index.numel(),
+                                                                        wide))
+
+    def _usual_free_done(self, found: int, owner: str | None) -> bool:
+        """After a usual-case release (one request's unwritable pages, or none tracked): True when it took the
+        whole free, the finished transfer's bookkeeping dropped once its pages are all gone."""
         if found == lifecycle.RELEASED:
             if owner is not None and self._all_free(owner):
                 self._forget(owner)

@@ -353,9 +353,7 @@ class PageLedger:
         if ops:
             found = ops.release_unwritable(ops.state, ops.owner, self.num_pages, pages)
             if found >= 0:
-                owner = self._owner_names[found]
-                self._forget_if_empty(found)
-                return RELEASED, owner
+                return self._released_by_native(found)
             if found != _NATIVE_NOT_HANDLED:
                 return found, None
         np = _numpy()
@@ -380,10 +378,14 @@ class PageLedger:
             return NOT_HANDLED_HERE, None
         found = ops.release_unwritable_at(ops.state, ops.owner, self.num_pages, address, count, int(wide))
         if found >= 0:
-            owner = self._owner_names[found]
-            self._forget_if_empty(found)
-            return RELEASED, owner
+            return self._released_by_native(found)
         return (found, None) if found in (NONE_TRACKED, MIXED) else (NOT_HANDLED_HERE, None)
+
+    def _released_by_native(self, owner_id: int) -> tuple[int, str | None]:
+        """Bookkeeping after the native library released ``owner_id``'s pages; the release's answer."""
+        owner = self._owner_names[owner_id]
+        self._forget_if_empty(owner_id)
+        return RELEASED, owner
 
     def owner_ids_of(self, pages: Any) -> Any:
         """Owner ids (numpy) of ``pages``; :meth:`owner_name` turns one into the owner's name."""
@@ -499,7 +501,7 @@ class PageLedger:
 
 
 _NOT_HANDLED, _DONE = 0, 1  # the native library's answers (see sglang_harden.kernels.ledger_native)
-_NATIVE_NOT_HANDLED = -4  # sole_owner's
+_NATIVE_NOT_HANDLED = NOT_HANDLED_HERE  # sole_owner's and release_unwritable's "not handled"
 
 
 class _NativeOps:
