@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from sglang_harden._importhook import when_imported
+from sglang_harden.compat import hook_timer
 
 logger = logging.getLogger("sglang_harden")
 
@@ -84,7 +85,7 @@ def _install(hook: Hook, key: str, module: ModuleType) -> None:
     is_static = isinstance(raw, staticmethod)
     func = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
     _check_params(hook, func)
-    wrapped = hook.make_wrapper(func)
+    wrapped = _wrap(hook, key, func)
     functools.update_wrapper(wrapped, func)
     marks = set(getattr(func, WRAPPED_MARK, ())) | {hook.owner}
     setattr(wrapped, WRAPPED_MARK, frozenset(marks))
@@ -96,6 +97,13 @@ def _install(hook: Hook, key: str, module: ModuleType) -> None:
     with _lock:
         _installed[key] = hook.target
     logger.debug("sglang-harden hook %s installed on %s", hook.owner, hook.target)
+
+
+def _wrap(hook: Hook, key: str, func: Callable[..., object]) -> Callable[..., object]:
+    """``hook``'s wrapper around ``func``; with its owner in ``SGLANG_HARDEN_TIME_HOOKS``, inside a timer."""
+    if hook.owner not in hook_timer.timed_owners():
+        return hook.make_wrapper(func)
+    return hook_timer.outer(hook.make_wrapper(hook_timer.inner(func)), key)
 
 
 def is_in_place(hook: Hook) -> bool:

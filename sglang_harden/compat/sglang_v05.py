@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import kv_canary, kv_digest, lifecycle_v05
+from sglang_harden.compat import hook_timer, kv_canary, kv_digest, lifecycle_v05
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.lifecycle_v05 import MOONCAKE, NIXL
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
@@ -181,7 +181,11 @@ def _scheduler_started(original: Func) -> Func:
 
 
 def _family_report() -> dict[str, Any]:
-    return {"lifecycle": lifecycle_v05.node_report(), "digest_time": kv_digest.TIMER.report()}
+    return {
+        "lifecycle": lifecycle_v05.node_report(),
+        "digest_time": kv_digest.TIMER.report(),
+        "hook_time": hook_timer.TIMER.report(),
+    }
 
 
 def _needed_here(hook: Hook, role: str, backend: str) -> bool:
