@@ -78,6 +78,7 @@ GAUGE_NAME = "sglang_harden_quarantined_pages"
 PUBLISHED = allow(lifecycle.GUARD)
 TAGS_OK = allow(page_tags.GUARD)
 PUBLISHED_TALLY = events.Tally(PUBLISHED)
+ADMITTED_TALLY = events.Tally(allow(lifecycle.GUARD))  # the quarantine door let a new request in
 TAGS_OK_TALLY = events.Tally(TAGS_OK)
 FREE = int(PageState.FREE)
 WRITING = int(PageState.WRITING)
@@ -149,6 +150,15 @@ class DecodeNode:
     @property
     def states(self) -> np.ndarray:
         return self.ledger.state_array()
+
+    @property
+    def num_pages(self) -> int:
+        return self.ledger.num_pages
+
+    @property
+    def quarantine_cap(self) -> int:
+        """Quarantined pages at which the door closes (the ledger's admission rule, cap <= 0: its default)."""
+        return self.cap if self.cap > 0 else lifecycle.default_quarantine_cap(self.ledger.num_pages)
 
     # ---- transfer path (scheduler thread)
     def begin(self, room: int, addr: str, required_acks: int, pages: np.ndarray, receiver: Any) -> Decision:
@@ -323,7 +333,7 @@ class DecodeNode:
         return self.ledger.quarantined_count() * self.page_size
 
     def report(self) -> dict[str, Any]:
-        cap = self.cap if self.cap > 0 else lifecycle.default_quarantine_cap(self.ledger.num_pages)
+        cap = self.quarantine_cap
         return {
             "role": "decode",
             "page_size": self.page_size,
@@ -340,13 +350,15 @@ class DecodeNode:
 
 @dataclass
 class PrefillNode:
-    """Source pages of transfers that have not settled yet, on one prefill scheduler process."""
+    """Source pages of transfers that have not settled yet, on one prefill scheduler process. Its ledger is one
+    column, ``held_room`` (page -> the room whose transfer reads it, 0: none), plus each room's page arrays."""
 
     allocator: Any
     page_size: int
-    ledger: PageLedger
+    num_pages: int
     held_room: np.ndarray
     kv_mgr: Any = None
+    holds: dict[int, list[np.ndarray]] = field(default_factory=dict)  # room -> its source page arrays
     pending: dict[int, list[int]] = field(default_factory=dict)
     failed_writes: dict[int, float] = field(default_factory=dict)
     stashed_acks: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
@@ -357,12 +369,13 @@ class PrefillNode:
     def for_allocator(cls, allocator: Any) -> PrefillNode:
         page_size = int(getattr(allocator, "page_size", 1) or 1)
         num_pages = int(allocator.size) // page_size + 2
-        return cls(allocator, page_size, PageLedger(num_pages), np.zeros(num_pages, dtype=np.int64))
+        return cls(allocator, page_size, num_pages, np.zeros(num_pages, dtype=np.int64))
 
-    def hold(self, kv_mgr: Any, room: int, pages: Sequence[int]) -> None:
+    def hold(self, kv_mgr: Any, room: int, pages: np.ndarray) -> None:
+        """Hold ``pages`` (an int64 array that becomes the node's) until ``room``'s transfer settles."""
         self.kv_mgr = kv_mgr
-        self.ledger.hold_source(owner_of_room(room), pages)
-        self.held_room[np.asarray(pages, dtype=np.int64)] = int(room)
+        self.holds.setdefault(room, []).append(pages)
+        self.held_room[pages] = room
 
     def note_failed_write(self, rooms: Sequence[int]) -> None:
         """The transport gave up on a write of these rooms: its bytes may still land for ``lifetime_s``."""
@@ -379,17 +392,24 @@ class PrefillNode:
         mgr = self.kv_mgr
         if mgr is None:
             return True
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
         if getattr(mgr, "_staging_outstanding", {}).get(room, 0) > 0:
             return False
         status = mgr.request_status.get(room)
-        return status is None or status in (KVPoll.Success, KVPoll.Failed)
+        return status is None or status in _kv_poll().ended
 
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
+        """Mask of ``pages`` whose transfer has not settled (None: free them all); settled rooms let go."""
         rooms = self.held_room[pages]
-        if not rooms.any():
+        held = np.count_nonzero(rooms)  # 0: held by no room
+        if held == 0:
             return None
+        room = int(rooms.max())
+        if room > 0 and held == np.count_nonzero(rooms == room) and self.settled(room):
+            self._settle(room)  # the usual case: one room's sources, its transfer done
+            return None
+        return self._keep_unsettled(pages, rooms, mode)
+
+    def _keep_unsettled(self, pages: np.ndarray, rooms: np.ndarray, mode: Mode) -> np.ndarray | None:
         keep = np.zeros(pages.shape, dtype=bool)
         for room in lifecycle.distinct(rooms[rooms != 0]).tolist():
             mine = rooms == room
@@ -405,10 +425,8 @@ class PrefillNode:
         return keep if keep.any() else None
 
     def _settle(self, room: int) -> None:
-        pages = self.ledger.settle_source(owner_of_room(room))
-        if pages:
-            idx = np.asarray(pages, dtype=np.int64)
-            self.held_room[idx[self.held_room[idx] == room]] = 0
+        for pages in self.holds.pop(room, ()):
+            self.held_room[pages[self.held_room[pages] == room]] = 0
 
     def settle_pending(self) -> list[int]:
         freed: list[int] = []
@@ -440,6 +458,24 @@ class PrefillNode:
             "ack_targets_kept_past_clear": len(self.orphan_targets),
             "rooms_with_failed_writes": len(self.failed_writes),
         }
+
+
+@dataclass(frozen=True)
+class _Poll:
+    failed: Any
+    ended: tuple[Any, ...]
+
+
+_POLL: list[_Poll] = []
+
+
+def _kv_poll() -> _Poll:
+    """SGLang's transfer states this module compares against (imported once, on first use)."""
+    if not _POLL:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        _POLL.append(_Poll(KVPoll.Failed, (KVPoll.Success, KVPoll.Failed)))
+    return _POLL[0]
 
 
 def _send_orphan_ack(mgr: Any, room: int, target: Any) -> None:
@@ -575,7 +611,7 @@ def _make_node(scheduler: Any) -> None:
         NODE.lifetime_s = float(RUNTIME.config.transfer_write_lifetime_s)
     if NODE is not None:
         logger.warning("sglang-harden lifecycle: %s ledger over %s pages (page size %s), window %s pages",
-                       role, NODE.ledger.num_pages, NODE.page_size, RUNTIME.config.transfer_window_pages)
+                       role, NODE.num_pages, NODE.page_size, RUNTIME.config.transfer_window_pages)
 
 
 # ---------------------------------------------------------------- decode transfer path
@@ -737,8 +773,12 @@ def _quarantine_door(original: Func) -> Func:
         retracted = bool(args[0]) if args else bool(kwargs.get("is_retracted", False))
         if not isinstance(node, DecodeNode) or retracted:
             return original(self, req, *args, **kwargs)
+        room = getattr(req, "bootstrap_room", None)
+        if node.ledger.quarantined_count() < node.quarantine_cap:
+            ADMITTED_TALLY.bump(RUNTIME.config.lifecycle, room=room)
+            return original(self, req, *args, **kwargs)
         decision = node.ledger.admission_open(node.cap)
-        if events.record(decision, RUNTIME.config.lifecycle, room=getattr(req, "bootstrap_room", None)):
+        if events.record(decision, RUNTIME.config.lifecycle, room=room):
             from sglang_harden.compat.sglang_v05 import _abort_and_stream
 
             _abort_and_stream(self.scheduler, req, "sglang-harden: " + decision.reason, 503)
@@ -755,18 +795,15 @@ def _hold_sources(original: Func) -> Func:
     def add_transfer_request(self: Any, bootstrap_room: int, kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
         node = NODE
         if isinstance(node, PrefillNode) and _will_enqueue(self, bootstrap_room):
-            pages = np.asarray(kv_indices, dtype=np.int64)
-            node.hold(self, int(bootstrap_room), pages.tolist())
+            node.hold(self, int(bootstrap_room), np.array(kv_indices, dtype=np.int64))  # the node's own copy
         return original(self, bootstrap_room, kv_indices, *args, **kwargs)
 
     return add_transfer_request
 
 
 def _will_enqueue(mgr: Any, room: int) -> bool:
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     status = mgr.request_status.get(room)
-    return status is not None and status != KVPoll.Failed and room in mgr.transfer_infos
+    return status is not None and status != _kv_poll().failed and room in mgr.transfer_infos
 
 
 def _settle_after_inflight(original: Func) -> Func:

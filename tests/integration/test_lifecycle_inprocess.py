@@ -338,7 +338,7 @@ def test_prefill_holds_source_pages_until_settled(sglang_modules: dict[str, Any]
     try:
         src = alloc.alloc(10)
         mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Failed}, _staging_outstanding={ROOM_A: 1})
-        node.hold(mgr, ROOM_A, src.tolist())
+        node.hold(mgr, ROOM_A, src.numpy().astype(np.int64))
         alloc.free(src)  # request aborted on prefill while a chunk of its transfer is being written
         assert alloc.available_size() == POOL - 10, "source pages held while the chunk is in flight"
         mgr._staging_outstanding[ROOM_A] = 0
@@ -369,7 +369,7 @@ def test_prefill_withholds_drain_ack_and_sources_after_a_failed_write(sglang_mod
         src = alloc.alloc(6)
         mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1},
                               transfer_infos={ROOM_A: {"sess-1": object()}})
-        node.hold(mgr, ROOM_A, src.tolist())
+        node.hold(mgr, ROOM_A, src.numpy().astype(np.int64))
         send = lifecycle_v05._send_kvcache(lambda *a, **k: -1)  # the engine call timed out
         assert send(mgr, "sess-1", np.arange(6), [], np.arange(6), None) == -1
         mgr._staging_outstanding[ROOM_A] = 0  # the worker moved on
@@ -539,5 +539,106 @@ def test_poison_keeps_the_registered_ack_target(sglang_modules: dict[str, Any]) 
         time.sleep(0.25)
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
         assert sent == [(ROOM_A, [("127.0.0.1", 9)])]
+    finally:
+        lifecycle_v05.NODE = None
+
+
+def _door(node: DecodeNode) -> tuple[Any, list[Any], list[Any]]:
+    """The quarantine door around a stand-in for ``DecodePreallocQueue.add`` (a real queue needs a running
+    scheduler): (the hooked add, requests SGLang's add saw, requests streamed out as aborted)."""
+    added: list[Any] = []
+    streamed: list[Any] = []
+    lifecycle_v05.NODE = node
+    add = lifecycle_v05._quarantine_door(lambda queue, req, *a, **k: added.append(req))
+    queue = SimpleNamespace(scheduler=SimpleNamespace(
+        output_streamer=SimpleNamespace(stream_output=lambda reqs, logprob: streamed.extend(reqs))))
+    return (lambda req: add(queue, req)), added, streamed
+
+
+def _new_request(room: int) -> Any:
+    return SimpleNamespace(rid=f"r{room}", bootstrap_room=room, finished_reason=None, return_logprob=False,
+                           to_finish=None)
+
+
+def test_quarantine_door_admits_below_the_cap_and_refuses_at_it(allocator: Any) -> None:
+    node = DecodeNode.for_allocator(allocator, cap=8)
+    add, added, streamed = _door(node)
+    before = events.snapshot().get("lifecycle:allow", 0)
+    first = _new_request(ROOM_B)
+    add(first)
+    assert added == [first] and not streamed
+    assert events.snapshot().get("lifecycle:allow", 0) == before + 1, "the admission is counted"
+
+    a = allocator.alloc(10)
+    _publish(Receiver(ROOM_A), a)
+    allocator.free(a)  # still being written: 10 pages quarantined, over the cap of 8
+    assert node.ledger.quarantined_count() == 10
+    refused = _new_request(ROOM_B + 1)
+    add(refused)
+    assert added == [first], "SGLang's queue never sees a request refused at the cap"
+    assert streamed == [refused] and refused.finished_reason.status_code == 503
+    assert "quarantined" in refused.finished_reason.message
+
+
+def test_prefill_holds_every_chunk_in_its_own_copy(sglang_modules: dict[str, Any]) -> None:
+    """Two chunks of one room pass the hold hook; SGLang reusing its index array afterwards changes nothing, and
+    once the room settled both chunks' pages go back to the free list."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    lifecycle_v05.NODE = node
+    try:
+        first, second = alloc.alloc(6), alloc.alloc(5)
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, transfer_infos={ROOM_A: {}},
+                              _staging_outstanding={})
+        hold = lifecycle_v05._hold_sources(lambda *a, **k: None)
+        for chunk in (first, second):
+            indices = chunk.numpy().astype(np.int64)
+            hold(mgr, ROOM_A, indices)
+            indices[:] = 0  # SGLang's array, reused: the node kept its own copy
+        alloc.free(torch.cat((first, second)))  # aborted on prefill mid-transfer
+        assert alloc.available_size() == POOL - 11, "both chunks' sources held"
+        assert np.count_nonzero(node.held_room) == 11
+        mgr.request_status[ROOM_A] = KVPoll.Success
+        lifecycle_v05._free_now(node, node.settle_pending())
+        assert alloc.available_size() == POOL and np.count_nonzero(node.held_room) == 0
+        assert not node.holds and not node.pending
+    finally:
+        lifecycle_v05.NODE = None
+
+
+@pytest.mark.parametrize("room_b", [ROOM_B, -5], ids=["room", "negative-room"])
+def test_prefill_free_lets_go_of_settled_sources_only(sglang_modules: dict[str, Any], room_b: int) -> None:
+    """One free over a settled room's sources (the usual case, and its fast path) and over another room's whose
+    transfer is still running: only the settled room's pages reach the free list, whatever the rooms' ids."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    lifecycle_v05.NODE = node
+    try:
+        a, b = alloc.alloc(6), alloc.alloc(4)
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Success, room_b: KVPoll.Transferring},
+                              _staging_outstanding={})
+        node.hold(mgr, ROOM_A, a.numpy().astype(np.int64))
+        node.hold(mgr, room_b, b.numpy().astype(np.int64))
+        alloc.free(torch.cat((a, b)))
+        assert alloc.available_size() == POOL - 4, "the running room's sources are held, the settled room's freed"
+        assert np.count_nonzero(node.held_room) == 4
+        c = alloc.alloc(3)  # a settled room's lone free: the fast path
+        node.hold(mgr, ROOM_A + 10, c.numpy().astype(np.int64))
+        mgr.request_status[ROOM_A + 10] = KVPoll.Success
+        alloc.free(c)
+        assert alloc.available_size() == POOL - 4 and np.count_nonzero(node.held_room) == 4
+        room_d = room_b * 2  # a running room's sources, freed with a page no room holds
+        d, unheld = alloc.alloc(2), alloc.alloc(1)
+        node.hold(mgr, room_d, d.numpy().astype(np.int64))
+        mgr.request_status[room_d] = KVPoll.Transferring
+        alloc.free(torch.cat((d, unheld)))
+        assert alloc.available_size() == POOL - 6 and np.count_nonzero(node.held_room) == 6
+        mgr.request_status[room_b] = mgr.request_status[room_d] = KVPoll.Success
+        lifecycle_v05._free_now(node, node.settle_pending())
+        assert alloc.available_size() == POOL and np.count_nonzero(node.held_room) == 0
     finally:
         lifecycle_v05.NODE = None
