@@ -446,6 +446,8 @@ class PrefillNode:
         return bool(self.pending or self.stashed_acks or self.failed_writes or self.orphan_targets)
 
     def held_tokens(self) -> int:
+        if not self.pending:
+            return 0
         return sum(len(p) for p in self.pending.values()) * self.page_size
 
     def report(self) -> dict[str, Any]:
@@ -738,7 +740,7 @@ def _aborted(req: Any) -> bool:
 def _confirmations_first(original: Func) -> Func:
     def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
         node = NODE
-        if isinstance(node, DecodeNode):
+        if isinstance(node, DecodeNode) and node.ledger.quarantined_count():
             _free_now(node, node.confirmations())
         return original(self, *args, **kwargs)
 
