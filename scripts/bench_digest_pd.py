@@ -30,17 +30,13 @@ variant) measures the same pairs without that contention.
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_harden.testbed.client import greedy_body  # noqa: E402
-from sglang_harden.testbed.incident import tenant_a_prompt  # noqa: E402
+from sglang_harden.testbed import pdbench  # noqa: E402
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair  # noqa: E402
 
 VARIANTS = {
@@ -51,47 +47,16 @@ VARIANTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pin", default="0.5.19")
-    p.add_argument("--backend", default="mooncake", choices=["mooncake", "nixl"])
-    p.add_argument("--prompt-tokens", type=int, default=400)
-    p.add_argument("--new-tokens", type=int, default=4)
-    p.add_argument("--requests", type=int, default=30, help="measured requests per variant")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--passes", type=int, default=1)
-    p.add_argument("--server-flag", action="append", default=[], dest="server_flags", metavar="FLAG",
-                   help="extra flag for every server of every variant (repeat), e.g. --server-flag=--sleep-on-idle")
-    p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    return pdbench.parser(__doc__.splitlines()[0], "measured requests per variant").parse_args(argv)
 
 
-def start(pin: str, backend: str, variant: str, log_dir: Path, flags: list[str]) -> PDPair:
+def start(args: argparse.Namespace, variant: str, log_dir: Path) -> PDPair:
     launcher, env = VARIANTS[variant]
-    pair = PDPair(
-        pin,
-        prefill_max_total_tokens=2048,
-        decode_max_total_tokens=2048,
-        context_length=1024,
-        transfer_backend=backend,
-        env=env,
-        launcher_module=launcher,
-        log_dir=log_dir / variant,
-        prefill_flags=flags,
-        decode_flags=flags,
-    )
-    return pair.start()
+    return pdbench.make_pair(args, launcher, env, log_dir / variant).start()
 
 
 def measure_one(pair: PDPair, name: str, args: argparse.Namespace) -> list[float]:
-    times: list[float] = []
-    for i in range(args.warmup + args.requests):
-        body = greedy_body(tenant_a_prompt(1000 + i, args.prompt_tokens), args.new_tokens, rid=None)
-        result = pair.generate(body, timeout=120)
-        if not (result.prefill.ok and result.decode.ok):
-            raise RuntimeError(f"{name}: request {i} failed: {result.decode.summary()}")
-        if i >= args.warmup:
-            times.append(result.decode.elapsed_s)
-    return times
+    return pdbench.send(pair, name, args, 0, args.warmup + args.requests)[args.warmup:]
 
 
 def digest_time(pair: PDPair) -> dict[str, dict[str, float]]:
@@ -110,7 +75,7 @@ def measure(args: argparse.Namespace, log_root: Path) -> tuple[dict[str, list[fl
     for n in range(args.passes):
         for variant in order if n % 2 == 0 else order[::-1]:
             print(f"[bench-digest-pd] pass {n + 1}: {variant} (logs {log_root / variant})", file=sys.stderr)
-            pair = start(args.pin, args.backend, variant, log_root / f"pass{n + 1}", args.server_flags)
+            pair = start(args, variant, log_root / f"pass{n + 1}")
             try:
                 times[variant] += measure_one(pair, variant, args)
                 if variant == "hardened":
@@ -163,15 +128,7 @@ def report(measured: tuple[dict[str, list[float]], list[dict]], args: argparse.N
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the running pair is stopped on the way out
-    log_root = Path(tempfile.mkdtemp(prefix="sglang-harden-bench-digest-"))
-    result = report(measure(args, log_root), args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>14}: {value}")
-    return 0
+    return pdbench.main(args, "sglang-harden-bench-digest-", lambda log_root: report(measure(args, log_root), args))
 
 
 if __name__ == "__main__":

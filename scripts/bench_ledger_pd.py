@@ -35,19 +35,15 @@ role and hook) shows every hook. The timer itself counts a fraction of a microse
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import statistics
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_harden.compat.hook_timer import ENV as TIME_HOOKS_ENV  # noqa: E402
-from sglang_harden.testbed.client import greedy_body  # noqa: E402
-from sglang_harden.testbed.incident import tenant_a_prompt  # noqa: E402
+from sglang_harden.testbed import pdbench  # noqa: E402
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair  # noqa: E402
 
 HARDENED_ENV = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CHECKSUM": "off", TIME_HOOKS_ENV: "lifecycle,page_tags"}
@@ -57,52 +53,7 @@ HookTotals = tuple[Counter[str], Counter[str]]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pin", default="0.5.19")
-    p.add_argument("--backend", default="mooncake", choices=["mooncake", "nixl"])
-    p.add_argument("--prompt-tokens", type=int, default=400)
-    p.add_argument("--new-tokens", type=int, default=4)
-    p.add_argument("--requests", type=int, default=30, help="measured requests per variant and pass")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--passes", type=int, default=1)
-    p.add_argument(
-        "--server-flag",
-        action="append",
-        default=[],
-        dest="server_flags",
-        metavar="FLAG",
-        help="extra flag for every server of every variant (repeat), e.g. --server-flag=--sleep-on-idle",
-    )
-    p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
-
-
-def make_pair(args: argparse.Namespace, variant: str, log_dir: Path) -> PDPair:
-    launcher, env = VARIANTS[variant]
-    return PDPair(
-        args.pin,
-        prefill_max_total_tokens=2048,
-        decode_max_total_tokens=2048,
-        context_length=1024,
-        transfer_backend=args.backend,
-        env=env,
-        launcher_module=launcher,
-        log_dir=log_dir / variant,
-        prefill_flags=args.server_flags,
-        decode_flags=args.server_flags,
-    )
-
-
-def send(pair: PDPair, name: str, args: argparse.Namespace, first: int, count: int) -> list[float]:
-    """End-to-end seconds of ``count`` greedy requests (prompts ``first`` ...), one after the other."""
-    times: list[float] = []
-    for i in range(first, first + count):
-        body = greedy_body(tenant_a_prompt(1000 + i, args.prompt_tokens), args.new_tokens, rid=None)
-        result = pair.generate(body, timeout=120)
-        if not (result.prefill.ok and result.decode.ok):
-            raise RuntimeError(f"{name}: request {i} failed: {result.decode.summary()}")
-        times.append(result.decode.elapsed_s)
-    return times
+    return pdbench.parser(__doc__.splitlines()[0], "measured requests per variant and pass").parse_args(argv)
 
 
 def hook_totals(pair: PDPair) -> HookTotals:
@@ -120,12 +71,13 @@ def hook_totals(pair: PDPair) -> HookTotals:
 
 def run_variant(args: argparse.Namespace, variant: str, log_dir: Path) -> tuple[list[float], HookTotals]:
     """Measured latencies and, for ``hardened``, the hook totals the measured requests added."""
-    pair = make_pair(args, variant, log_dir).start()  # a failed start stops what it started
+    launcher, env = VARIANTS[variant]
+    pair = pdbench.make_pair(args, launcher, env, log_dir / variant).start()  # a failed start stops what it started
     try:
-        send(pair, variant, args, 0, args.warmup)
+        pdbench.send(pair, variant, args, 0, args.warmup)
         timed = variant == "hardened"
         before = hook_totals(pair) if timed else (Counter(), Counter())
-        times = send(pair, variant, args, args.warmup, args.requests)
+        times = pdbench.send(pair, variant, args, args.warmup, args.requests)
         after = hook_totals(pair) if timed else (Counter(), Counter())
     finally:
         pair.stop()
@@ -182,15 +134,7 @@ def report(measured: tuple[dict[str, list[float]], HookTotals], args: argparse.N
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the running pair is stopped on the way out
-    log_root = Path(tempfile.mkdtemp(prefix="sglang-harden-bench-ledger-"))
-    result = report(measure(args, log_root), args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>20}: {value}")
-    return 0
+    return pdbench.main(args, "sglang-harden-bench-ledger-", lambda log_root: report(measure(args, log_root), args))
 
 
 if __name__ == "__main__":
