@@ -103,15 +103,7 @@ def report(measured: tuple[dict[str, list[float]], list[dict]], args: argparse.N
     low = {name: min(t) for name, t in times.items()}
     added = added_per_request_s(in_server)
     return {
-        "pin": args.pin,
-        "backend": args.backend,
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "requests": args.requests,
-        "passes": args.passes,
-        "server_flags": args.server_flags,
-        "median_s": {k: round(v, 4) for k, v in med.items()},
-        "min_s": {k: round(v, 4) for k, v in low.items()},
+        **pdbench.run_summary(args, times),
         "ratio_median": {
             "hardened/vanilla": round(med["hardened"] / med["vanilla"], 4),
             "hardened/no_digest": round(med["hardened"] / med["no_digest"], 4),

@@ -109,15 +109,7 @@ def report(measured: tuple[dict[str, list[float]], HookTotals], args: argparse.N
     added_s = sum(micros.values()) / 1e6 / requests
     per_transfer_s = sum(us for key, us in micros.items() if not any(h in key for h in LOOP_HOOKS)) / 1e6 / requests
     return {
-        "pin": args.pin,
-        "backend": args.backend,
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "requests": args.requests,
-        "passes": args.passes,
-        "server_flags": args.server_flags,
-        "median_s": {k: round(v, 4) for k, v in med.items()},
-        "min_s": {k: round(v, 4) for k, v in low.items()},
+        **pdbench.run_summary(args, times),
         "ratio_median": round(med["hardened"] / med["vanilla"], 4),
         "ratio_min": round(low["hardened"] / low["vanilla"], 4),
         "hook_per_request": {

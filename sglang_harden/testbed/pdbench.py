@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -65,6 +66,21 @@ def send(pair: PDPair, name: str, args: argparse.Namespace, first: int, count: i
             raise RuntimeError(f"{name}: request {i} failed: {result.decode.summary()}")
         times.append(result.decode.elapsed_s)
     return times
+
+
+def run_summary(args: argparse.Namespace, times: dict[str, list[float]]) -> dict[str, object]:
+    """A report's first fields: how the benchmark ran, and each variant's median and minimum latency."""
+    return {
+        "pin": args.pin,
+        "backend": args.backend,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "requests": args.requests,
+        "passes": args.passes,
+        "server_flags": args.server_flags,
+        "median_s": {name: round(statistics.median(t), 4) for name, t in times.items()},
+        "min_s": {name: round(min(t), 4) for name, t in times.items()},
+    }
 
 
 def main(args: argparse.Namespace, log_prefix: str, run: Callable[[Path], dict[str, object]]) -> int:

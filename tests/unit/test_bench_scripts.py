@@ -45,3 +45,13 @@ def test_ledger_pd_report_splits_transfer_hooks_from_loop_hooks() -> None:
     assert out["ratio_in_server_transfer"] == round(1.0 / (1.0 - 0.001), 4)
     assert out["hook_per_request"][DECODE_LOOP] == {"calls": 1000.0, "us": 3000.0}
     assert list(out["hook_per_request"]) == [DECODE_LOOP, PREFILL_FREE], "most expensive first"
+
+
+def test_digest_pd_report_uses_the_digest_time_per_request() -> None:
+    bench = _script("bench_digest_pd")
+    args = bench.parse_args([])
+    times = {"vanilla": [1.0], "no_digest": [1.0], "hardened": [1.0]}
+    in_server = [{"publish": {"mean_us": 300.0, "count": 2}, "verify": {"mean_us": 700.0, "count": 2}}]
+    out = bench.report((times, in_server), args)
+    assert out["pin"] == "0.5.19" and out["median_s"] == {"vanilla": 1.0, "no_digest": 1.0, "hardened": 1.0}
+    assert out["digest_us_per_request"] == 1000.0 and out["ratio_in_server"] == round(1.0 / 0.999, 4)
