@@ -1,6 +1,7 @@
 """Page lifecycle and page ownership tags on SGLang 0.5.19 … 0.5.23 (Mooncake and NIXL transfer backends).
 
-The per-node :class:`~sglang_harden.guards.lifecycle.PageLedger` is fed from SGLang's own choke points:
+Decode keeps a :class:`~sglang_harden.guards.lifecycle.PageLedger`, prefill a page -> room column of the
+source pages its transfers read; both are fed from SGLang's own choke points:
 
 decode
   * ``MooncakeKVReceiver.send_metadata(kv_indices, …)`` / ``NixlKVReceiver.send_metadata``: the request's
