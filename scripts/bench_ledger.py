@@ -176,7 +176,8 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
     scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=bench.table))
     node = lifecycle_v05.NODE
     publish = lifecycle_v05._send_metadata(lambda *a, **k: None)
-    loop_pass = lifecycle_v05._confirmations_first(lambda *a, **k: None)  # decode's hook on every loop pass
+    loop_pass = bench.loop_pass
+    assert loop_pass is not None, "hooks not installed"
     mode = lifecycle_v05.RUNTIME.config.lifecycle
     pages = idx.numpy()
     freed = torch.cat((idx, generated)).numpy()  # a finished request's slots: its transfer's and its tokens'

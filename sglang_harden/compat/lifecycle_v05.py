@@ -314,9 +314,8 @@ class DecodeNode:
 
     # ---- leaving quarantine (scheduler thread)
     def confirmations(self) -> list[int]:
-        """Pages whose writer drained or is gone since the last call: they may go to the free list now."""
-        if self.ledger.quarantined_count() == 0:
-            return []
+        """Pages whose writer drained or is gone since the last call: they may go to the free list now (the loop
+        hook calls this only while something is quarantined)."""
         freed: list[int] = []
         for owner in self.ledger.quarantined_owners():
             if self.drained(owner):
