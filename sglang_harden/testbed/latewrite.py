@@ -11,8 +11,11 @@ the tiny model):
 3. after ``abort_after_s`` decode gives up on A (``/abort_request`` on decode: the client went away); upstream
    then either frees A's pages at once (0.5.19 default) or holds them until prefill's drain ack or its
    deferred-release timeout (0.5.21+; lowered here to ``release_timeout_s`` < ``delay_s``: the timeout path);
-4. request B (greedy, long enough to still be decoding when A's write lands) is sent; the decode pool is small
-   enough that B is handed A's pages if they were freed;
+4. victims B (greedy, long enough to still be decoding when A's write lands) are sent back to back; the decode
+   pool is small enough that a victim is handed A's pages once they were freed, and A's write lands as soon as a
+   victim starts decoding over one of them (the shim logs the decode pages A's send targets; the KV tracer logs
+   each victim's pages). A hardened server never hands them on; there the write lands while a victim sent after
+   A's release time decodes;
 5. at quiesce, B is sent again on the quiet server as the reference.
 
 Oracles: the shim's log says when and where A's late write landed; the KV tracer says whether B's prompt rows
@@ -55,8 +58,9 @@ class LateWriteSetup:
     b_len: int = 150
     b_new_tokens: int = 24
     # The latest A's write lands after the engine call started; normally it lands earlier, when the scenario
-    # sees a victim that was sent after A's pages were released start decoding (trigger file).
-    delay_s: float = 12.0
+    # sees a victim start decoding over one of A's decode pages (hardened: or one sent after A's release time;
+    # LandingTrigger).
+    delay_s: float = 25.0
     # The engine call for A gives up after this long and reports failure while A's bytes are still on the wire
     # (None: the write blocks the worker instead; Mooncake then serialises the pair's later transfers behind it).
     engine_timeout_s: float | None = 1.0
@@ -117,28 +121,53 @@ def trigger_path(log_dir: Path) -> Path:
 
 
 class LandingTrigger:
-    """Creates the trigger file once a victim sent after A's release starts decoding: A's late write then
-    lands while that victim decodes over the pages A was given (vanilla) or over its own pages (hardened)."""
+    """Creates the trigger file (the late write then lands) once, the first time either holds:
 
-    def __init__(self, log_dir: Path, release_at: float) -> None:
+    - a victim starts decoding over a decode page that A's KV send targeted (the shim's ``kv_send`` lines): A's
+      pages were handed on while its write was in flight, and the write lands in that victim (vanilla);
+    - with ``or_after_release``: a victim sent after A's release time starts decoding, whatever its pages (for a
+      hardened server, whose quarantine keeps A's pages from every victim: the write lands while one decodes).
+
+    Without either, the shim lands the write after its ``delay_s``."""
+
+    def __init__(self, log_dir: Path, release_at: float, or_after_release: bool) -> None:
         self.trace, self.path, self.release_at = Path(log_dir) / "kvtrace", trigger_path(log_dir), release_at
+        self.or_after_release = or_after_release
+        self.victims: set[str] = set()
         self.eligible: set[str] = set()
         self.fired_for: str | None = None
+        self.reason: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def sent(self, rid: str) -> None:
+        self.victims.add(rid)
         if time.time() >= self.release_at:
             self.eligible.add(rid)
 
+    def _reason(self, event: dict[str, Any], a_pages: set[int]) -> str | None:
+        rid = event.get("rid")
+        if event.get("event") != "first_decode" or rid not in self.victims:
+            return None
+        if a_pages.intersection(event.get("pages") or ()):
+            return "decodes over A's pages"
+        if self.or_after_release and rid in self.eligible:
+            return "sent after A's release"
+        return None
+
+    def _fire(self, rid: str, reason: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()
+        self.fired_for, self.reason = rid, reason
+
     def _run(self) -> None:
         while not self._stop.is_set() and self.fired_for is None:
+            a_pages = {p for w in _late_writes(self.trace) if w.get("event") == "kv_send" for p in w["dst_pages"]}
             for event in read_kvtrace(self.trace):
-                if event.get("event") == "first_decode" and event.get("rid") in self.eligible:
-                    self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self.path.touch()
-                    self.fired_for = str(event["rid"])
+                reason = self._reason(event, a_pages)
+                if reason is not None:
+                    self._fire(str(event["rid"]), reason)
                     return
             time.sleep(0.05)
 
@@ -191,7 +220,11 @@ def _b_summary(res: GenResult) -> dict[str, Any]:
     }
 
 
-def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> dict[str, Any]:
+def run_scenario(
+    pair: PDPair, setup: LateWriteSetup, say: Progress = None, land_after_release: bool = False
+) -> dict[str, Any]:
+    """The timeline above on ``pair``. ``land_after_release``: the write also lands while any victim sent after
+    A's release time decodes (:class:`LandingTrigger`; for hardened servers), not only in one handed A's pages."""
     say = say or (lambda _m: None)
     bport = int(pair.prefill.bootstrap_port or 0)
 
@@ -216,7 +249,7 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
     victims: dict[str, PairResult] = {}
     trace = pair.log_dir / "kvtrace"
     # A's pages are back in vanilla's free list at the abort (<= 0.5.20) or after the release timeout (0.5.21+)
-    trigger = LandingTrigger(pair.log_dir, release_at=time.time() + setup.release_timeout_s + 0.5)
+    trigger = LandingTrigger(pair.log_dir, time.time() + setup.release_timeout_s + 0.5, land_after_release)
     latest = t0 + setup.abort_after_s + setup.delay_s + setup.victims_after_write_s + 60
     landed_at: float | None = None
     try:  # back-to-back victims until the late write landed, then a few more
@@ -229,7 +262,7 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
                 landed_at = time.time()
     finally:
         trigger.stop()
-    say(f"late write landed while {trigger.fired_for or 'no victim (timer fallback)'} decoded")
+    say(f"late write triggered by {trigger.fired_for or 'no victim (timer fallback)'} ({trigger.reason})")
     thread.join(timeout=setup.delay_s + 60)
     pool = _quiesce(pair, setup)
     ref = victim("B-reference")
@@ -244,6 +277,7 @@ def run_scenario(pair: PDPair, setup: LateWriteSetup, say: Progress = None) -> d
     return {
         "t0": t0,
         "triggered_by": trigger.fired_for,
+        "trigger_reason": trigger.reason,
         "a": a_box.get("a"),
         "victims": victims,
         "ref": ref,
@@ -285,6 +319,8 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
         "late_write_landed": any(w["event"] == "late_write" for w in writes),
         "late_write_t_rel": next((round(w["t"] - run["t0"], 2) for w in writes if w["event"] == "late_write"), None),
         "late_write_triggered_by": run.get("triggered_by"),
+        "late_write_trigger_reason": run.get("trigger_reason"),
+        "a_decode_pages": sorted({p for w in writes if w["event"] == "kv_send" for p in w["dst_pages"]}),
         "victims": victims,
         "served_requests": sum(1 for v in victims.values() if v["status"] == 200),
         "corrupted_requests": sum(1 for v in victims.values() if v["corrupted"]),
@@ -309,7 +345,7 @@ def run_late_write(
     log_dir.mkdir(parents=True, exist_ok=True)
     pair = start_pair(pin, hardened, setup, log_dir)
     try:
-        run = run_scenario(pair, setup, say)
+        run = run_scenario(pair, setup, say, land_after_release=hardened)
     finally:
         pair.stop()
     result = judge(run, log_dir / "kvtrace")

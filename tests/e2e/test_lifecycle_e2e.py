@@ -2,8 +2,9 @@
 transfer backend (Mooncake on every pin; NIXL where ci/pins.toml lists it: 0.5.23).
 
 Scenario and oracles: ``sglang_harden.testbed.latewrite`` (the test-only ``latewrite`` shim makes the engine call
-for request A give up after 1 s while A's bytes land 8 s later; victims B are decoding meanwhile on a decode pool
-small enough that freed pages are reused at once). With NIXL the post of A's KV transfer returns ERR after 1 s
+for request A give up after 1 s while A's bytes land later, as soon as a victim B decodes over one of A's decode
+pages, or, hardened, while a victim sent after A's release time decodes; the decode pool is small enough that
+freed pages are reused at once). With NIXL the post of A's KV transfer returns ERR after 1 s
 (prefill fails A, tells decode and, on 0.5.23, "poisons" A's drain ack) while the same handle is posted for real
 when a victim decodes. Per pin (0.5.19 and 0.5.23 first) and backend:
 
@@ -55,9 +56,8 @@ def results(pin: str, backend: str, tmp_path_factory: pytest.TempPathFactory) ->
     results = {v: run_late_write(pin, v == "hardened", root / v, setup) for v in ("vanilla", "hardened")}
     vanilla = results["vanilla"]
     if not (vanilla["late_write_landed"] and vanilla["corrupted_requests"] >= 1):
-        # The injected write can land just after the victim it was timed for finished decoding (a 24-token
-        # victim takes a fraction of a second; a loaded machine stretches the trigger's reaction), or, on a host
-        # loaded enough that pairs boot in 4 minutes, not within the scenario's window at all: one more try.
+        # On a host loaded enough that pairs boot in 4 minutes, no victim may be handed A's pages before the
+        # shim's delay ends and the write lands on its own: one more try.
         results["vanilla"] = {**run_late_write(pin, False, root / "vanilla-retry", setup), "attempts": 2}
     return results
 

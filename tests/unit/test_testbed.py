@@ -350,8 +350,8 @@ def test_latewrite_shim_nixl_post_times_out_and_lands_on_trigger(monkeypatch: py
         time.sleep(0.02)
     time.sleep(0.1)
     events = _trace_events(tmp_path)
-    assert [e["event"] for e in events] == ["engine_timeout", "late_write"]
-    late = events[1]
+    assert [e["event"] for e in events] == ["kv_send", "engine_timeout", "late_write"]
+    late = events[2]
     assert late["backend"] == "nixl" and late["room"] == 42 and late["blocks"] == 3 and late["triggered"]
     assert late["mode"] == "timed_out" and late["status"] == 0
     assert len(mgr.agent.posted) == 3
@@ -367,7 +367,8 @@ def test_latewrite_shim_nixl_blocking_post(monkeypatch: pytest.MonkeyPatch, tmp_
     handle = mgr.send_kvcache("peer", [1, 2])
     assert time.monotonic() - started >= 0.2
     assert mgr.agent.posted == [handle]
-    assert [(e["event"], e["mode"]) for e in _trace_events(tmp_path)] == [("late_write", "blocking")]
+    events = _trace_events(tmp_path)
+    assert [(e["event"], e.get("mode")) for e in events] == [("kv_send", None), ("late_write", "blocking")]
 
 
 def test_demo_late_write_scenario_takes_a_backend(monkeypatch: pytest.MonkeyPatch,
@@ -391,3 +392,92 @@ def test_demo_late_write_scenario_takes_a_backend(monkeypatch: pytest.MonkeyPatc
     assert seen == {"pins": ["0.5.23"], "backend": "nixl"}
     assert "nixl" in capsys.readouterr().out
     assert demo.run(parser.parse_args(["--backend", "nixl", "--pin", "0.5.23"])) == 2  # incident: mooncake only
+
+
+def test_latewrite_shim_logs_the_decode_pages_a_listed_rooms_send_targets(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """Both backends: a KV send of a listed room logs ``kv_send`` with its ``dst_kv_indices`` (positional or
+    keyword, wherever the pin's signature puts them); other rooms log nothing."""
+    shim = _latewrite_shim(monkeypatch, "0:42", tmp_path)
+
+    class NixlKVManager:
+        def __init__(self) -> None:
+            self.agent = _FakeAgent()
+
+        def send_kvcache(self, peer_name: str, prefill_kv_indices: list[int], dst_kv_ptrs: list[int],
+                         dst_kv_indices: list[int], dst_gpu_id: int) -> str:
+            return self.agent.transfer(object())
+
+        def send_kvcache_slice(self, peer_name: str, prefill_kv_indices: list[int],
+                               dst_kv_indices: list[int]) -> str:
+            return "DONE"
+
+    class MooncakeKVManager:
+        def _transfer_data(self, session_id: str, blocks: list[tuple[int, int, int]]) -> int:
+            return 0
+
+        def send_kvcache(self, session_id: str, prefill_kv_indices: list[int], dst_kv_ptrs: list[int],
+                         dst_kv_indices: list[int], executor: object) -> int:
+            return self._transfer_data(session_id, [(0, 0, 8)] * len(prefill_kv_indices))
+
+    shim._patch_nixl_manager(SimpleNamespace(NixlKVManager=NixlKVManager))
+    shim._patch_manager(SimpleNamespace(MooncakeKVManager=MooncakeKVManager))
+    shim._tls.room = 43
+    NixlKVManager().send_kvcache("peer", [1, 2], [0], [7, 8], 0)
+    assert _trace_events(tmp_path) == []
+    shim._tls.room = 42
+    NixlKVManager().send_kvcache("peer", [1, 2], [0], [7, 8], 0)
+    NixlKVManager().send_kvcache_slice("peer", [1], dst_kv_indices=[9])
+    import numpy as np
+
+    assert MooncakeKVManager().send_kvcache("session", [1, 2, 3], [0], np.array([10, 11, 12], np.int32), None) == 0
+    sends = [(e["room"], e["dst_pages"]) for e in _trace_events(tmp_path) if e["event"] == "kv_send"]
+    assert sends == [(42, [7, 8]), (42, [9]), (42, [10, 11, 12])]
+
+
+def _wait_for(predicate: Any, seconds: float = 3.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+@pytest.mark.parametrize("or_after_release", [False, True])
+def test_landing_trigger_fires_when_a_victim_decodes_over_As_pages(tmp_path: Path, or_after_release: bool) -> None:
+    """The late write lands in the first victim handed one of A's decode pages; a victim on other pages fires it
+    only with ``or_after_release`` and only when sent after A's release time."""
+    from sglang_harden.testbed.latewrite import LandingTrigger, trigger_path
+
+    trace = tmp_path / "kvtrace"
+    _append_jsonl(trace / "latewrite-1.jsonl", {"event": "kv_send", "room": 42, "dst_pages": [100, 101, 102]})
+    trigger = LandingTrigger(tmp_path, release_at=time.time() + 0.3, or_after_release=or_after_release)
+    try:
+        trigger.sent("B0")  # before A's release time
+        _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B0", "pages": [1, 2, 3]})
+        _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "W0", "pages": [100]})
+        time.sleep(0.4)
+        assert trigger.fired_for is None and not trigger_path(tmp_path).exists()
+        trigger.sent("B1")  # after A's release time, on other pages
+        _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B1", "pages": [4, 5]})
+        if or_after_release:
+            assert _wait_for(lambda: trigger.fired_for == "B1")
+            assert trigger.reason == "sent after A's release" and trigger_path(tmp_path).exists()
+            return
+        time.sleep(0.3)
+        assert trigger.fired_for is None
+        trigger.sent("B2")
+        _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B2", "pages": [3, 101]})
+        assert _wait_for(lambda: trigger.fired_for == "B2")
+        assert trigger.reason == "decodes over A's pages" and trigger_path(tmp_path).exists()
+    finally:
+        trigger.stop()

@@ -7,7 +7,7 @@ Runs inside the decode server's scheduler process. Two events, written as JSON l
 - ``first_decode``: right before a request's first decode forward, each of its context slots is hashed and
   compared with the recorded fingerprints: a slot whose content is byte-identical to what another request
   left there was never overwritten by this request's own transfer, so the decode step reads that other
-  request's KV ("pages of A read by B").
+  request's KV ("pages of A read by B"). ``pages`` lists the KV pages its context occupies.
 
 Hooks ``Scheduler.run_batch`` and ``Scheduler.process_batch_result`` (present in every supported pin).
 """
@@ -86,6 +86,11 @@ def _row_hashes(scheduler: Any, slots: list[int]) -> list[str]:
     return [hashlib.blake2b(raw[i].tobytes(), digest_size=8).hexdigest() for i in range(len(slots))]
 
 
+def _pages(scheduler: Any, slots: list[int]) -> list[int]:
+    page_size = int(getattr(scheduler, "page_size", None) or 1)
+    return sorted({slot // page_size for slot in slots})
+
+
 def _context_len(req: Any) -> int:
     return len(getattr(req, "origin_input_ids", None) or [])
 
@@ -111,6 +116,7 @@ def _first_decode(scheduler: Any, req: Any) -> None:
             "rid": req.rid,
             "rows": len(slots),
             "slots_head": slots[:8],
+            "pages": _pages(scheduler, slots),
             "foreign_rows": dict(matches),
             "foreign_total": sum(matches.values()),
         }

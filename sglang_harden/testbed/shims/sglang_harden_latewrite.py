@@ -25,13 +25,16 @@ The two backends get the same three behaviours:
   handle is posted for real later and its bytes land in decode's pages.
 
 Each late write is logged as one JSON line (room, when it started and landed) to
-``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/latewrite-<pid>.jsonl``; a timed-out call adds an ``engine_timeout`` line.
+``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/latewrite-<pid>.jsonl``; a timed-out call adds an ``engine_timeout`` line,
+and every KV send of a listed room adds a ``kv_send`` line first, with the decode pages it targets
+(``dst_pages``: the test lands the write when a victim decodes over one of them).
 The room of the chunk being written is taken from the transfer worker's ``FastQueue.get`` on the same thread.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import threading
@@ -117,6 +120,43 @@ def _late(original: Any, delay: float, room: int, args: tuple[Any, ...], mode: s
     return int(status)
 
 
+# SGLang's methods that post the KV write of a chunk (any pin and backend that has them); aux/state posts are
+# not delayed.
+KV_SENDS = ("send_kvcache", "send_kvcache_mixed", "send_kvcache_slice")
+
+
+def _marks_kv_send(original: Any, rooms: set[int]) -> Any:
+    """Marks the thread while SGLang posts a KV write and logs the decode pages a listed room's send targets;
+    keeps ``original``'s attributes (an sglang-harden hook's mark among them, so the guard's start-up check still
+    finds its hook under this wrapper)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def send(self: Any, peer_name: Any, prefill_kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        room = getattr(_tls, "room", None)
+        if room in rooms:
+            bound = signature.bind_partial(self, peer_name, prefill_kv_indices, *args, **kwargs).arguments
+            dst = bound.get("dst_kv_indices")  # a numpy array on SGLang's side
+            _emit({"event": "kv_send", "room": room, "t": time.time(),
+                   "dst_pages": [] if dst is None else [int(p) for p in dst]})
+        _tls.kv_pages = len(prefill_kv_indices)
+        try:
+            return original(self, peer_name, prefill_kv_indices, *args, **kwargs)
+        finally:
+            _tls.kv_pages = None
+
+    return send
+
+
+def _mark_kv_sends(cls: Any, rooms: set[int]) -> list[str]:
+    sends = [name for name in KV_SENDS if hasattr(cls, name)]
+    if "send_kvcache" not in sends:
+        raise RuntimeError(f"latewrite shim: {cls.__name__}.send_kvcache not found on this SGLang pin")
+    for name in sends:
+        setattr(cls, name, _marks_kv_send(getattr(cls, name), rooms))
+    return sends
+
+
 def _probe_recovers(mgr: Any, session_id: str) -> None:
     with mgr.session_lock:
         mgr.failed_sessions.discard(session_id)
@@ -144,13 +184,12 @@ def _patch_manager(module: ModuleType) -> None:
         return -1
 
     cls._transfer_data = transfer_data
+    _mark_kv_sends(cls, rooms)
     cls._sglang_harden_latewrite = True
 
 
 # ------------------------------------------------------------------------------------------------ nixl
 
-# SGLang's methods that post the KV write of a chunk (any pin that has them); aux/state posts are not delayed.
-NIXL_KV_SENDS = ("send_kvcache", "send_kvcache_mixed", "send_kvcache_slice")
 NIXL_SETTLE_LIMIT_S = 60.0
 
 
@@ -210,21 +249,6 @@ def _wrap_agent(agent: Any, rooms: set[int], timeout: float | None) -> None:
     agent.transfer = transfer
 
 
-def _marks_kv_send(original: Any) -> Any:
-    """Marks the thread while SGLang posts a KV write; keeps ``original``'s attributes (an sglang-harden hook's
-    mark among them, so the guard's start-up check still finds its hook under this wrapper)."""
-
-    @functools.wraps(original)
-    def send(self: Any, peer_name: Any, prefill_kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
-        _tls.kv_pages = len(prefill_kv_indices)
-        try:
-            return original(self, peer_name, prefill_kv_indices, *args, **kwargs)
-        finally:
-            _tls.kv_pages = None
-
-    return send
-
-
 def _patch_nixl_manager(module: ModuleType) -> None:
     global _nixl_delay
     cls = module.NixlKVManager
@@ -232,11 +256,7 @@ def _patch_nixl_manager(module: ModuleType) -> None:
         return
     delay, rooms, timeout = parse(os.environ[ENV])
     _nixl_delay = delay
-    sends = [name for name in NIXL_KV_SENDS if hasattr(cls, name)]
-    if "send_kvcache" not in sends:
-        raise RuntimeError("latewrite shim: NixlKVManager.send_kvcache not found on this SGLang pin")
-    for name in sends:
-        setattr(cls, name, _marks_kv_send(getattr(cls, name)))
+    _mark_kv_sends(cls, rooms)
     original_init = cls.__init__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
