@@ -163,7 +163,7 @@ class LandingTrigger:
 
     def _run(self) -> None:
         while not self._stop.is_set() and self.fired_for is None:
-            a_pages = {p for w in _late_writes(self.trace) if w.get("event") == "kv_send" for p in w["dst_pages"]}
+            a_pages = _send_targets(_late_writes(self.trace))
             for event in read_kvtrace(self.trace):
                 reason = self._reason(event, a_pages)
                 if reason is not None:
@@ -294,6 +294,11 @@ def _late_writes(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _send_targets(writes: list[dict[str, Any]]) -> set[int]:
+    """The decode pages the delayed rooms' KV sends target (the shim's ``kv_send`` lines)."""
+    return {page for w in writes if w.get("event") == "kv_send" for page in w["dst_pages"]}
+
+
 def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     ref = _b_summary(run["ref"].decode)
     trace = read_kvtrace(trace_dir)
@@ -320,7 +325,7 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
         "late_write_t_rel": next((round(w["t"] - run["t0"], 2) for w in writes if w["event"] == "late_write"), None),
         "late_write_triggered_by": run.get("triggered_by"),
         "late_write_trigger_reason": run.get("trigger_reason"),
-        "a_decode_pages": sorted({p for w in writes if w["event"] == "kv_send" for p in w["dst_pages"]}),
+        "a_decode_pages": sorted(_send_targets(writes)),
         "victims": victims,
         "served_requests": sum(1 for v in victims.values() if v["status"] == 200),
         "corrupted_requests": sum(1 for v in victims.values() if v["corrupted"]),
