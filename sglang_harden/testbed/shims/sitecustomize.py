@@ -278,6 +278,10 @@ def _main() -> None:
         import sglang_harden_misown
 
         sglang_harden_misown.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_DELEGATING_FINDER"):  # last: placed next to sglang-harden's finder
+        import sglang_harden_delegating_finder
+
+        sglang_harden_delegating_finder.install()
 
 
 _main()
