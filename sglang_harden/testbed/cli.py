@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from sglang_harden.testbed import envs, procs
+from sglang_harden.testbed.profiles import PROFILE_ENV, PROFILES, get_profile
 
 
 def _state_path(args: argparse.Namespace) -> Path:
@@ -46,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p_start.add_argument("--num-reserved-decode-tokens", type=int, default=32)
     p_start.add_argument("--transfer-backend", default="mooncake")
     p_start.add_argument("--router", action="store_true", help="also start sglang-router in PD mode")
+    p_start.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help=f"KV layout: page size, radix cache, chunked prefill, early send (default: ${PROFILE_ENV} or minimal)",
+    )
     p_start.add_argument(
         "--hardened", action="store_true", help="launch via sglang_harden.launch_server with SGLANG_HARDEN_ACTIVATE=1"
     )
@@ -100,6 +107,7 @@ def _start(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
         transfer_backend=args.transfer_backend,
+        profile=get_profile(args.profile) if args.profile else None,
         env=env,
         router=args.router,
         launcher_module=HARDENED_LAUNCHER if args.hardened else VANILLA_LAUNCHER,

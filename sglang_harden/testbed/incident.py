@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_harden.testbed.client import PairResult, greedy_body
+from sglang_harden.testbed.profiles import Profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
 
 KVTRACE_ENV = "SGLANG_HARDEN_TESTBED_KVTRACE_DIR"
@@ -127,6 +128,7 @@ def start_incident_pair(
     extra_env: Mapping[str, str] | None = None,
     progress: bool = False,
     harden_env: Mapping[str, str] | None = None,
+    profile: Profile | None = None,
 ) -> PDPair:
     """Start (and return, started) the asymmetric PD pair of the incident, with the KV tracer on decode."""
     env = {WAITING_TIMEOUT_ENV: str(setup.waiting_timeout_s), **(extra_env or {})}
@@ -139,6 +141,7 @@ def start_incident_pair(
         context_length=setup.context_length,
         num_reserved_decode_tokens=setup.num_reserved_decode_tokens,
         transfer_backend=transfer_backend,
+        profile=profile,
         env=env,
         decode_env={KVTRACE_ENV: str(Path(log_dir) / "kvtrace")},
         launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
@@ -236,6 +239,7 @@ def run_incident(
     extra_env: Mapping[str, str] | None = None,
     harden_env: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    profile: Profile | None = None,
 ) -> dict[str, Any]:
     """Start a fresh incident pair for ``pin`` (vanilla, or hardened through ``sglang_harden.launch_server``
     with ``SGLANG_HARDEN_ACTIVATE=1``), run a warm-up round and the measured rounds, stop the pair, and
@@ -256,6 +260,7 @@ def run_incident(
         extra_env=extra_env,
         harden_env=harden_env,
         progress=progress is not None,
+        profile=profile,
     )
     try:
         startup_s = time.monotonic() - t0

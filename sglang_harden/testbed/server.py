@@ -24,6 +24,7 @@ from sglang_harden.testbed.client import PairResult, generate, http_json, pd_gen
 from sglang_harden.testbed.envs import PinRecipe, get_recipe, require_env
 from sglang_harden.testbed.model import build_tiny_model
 from sglang_harden.testbed.procenv import testbed_env
+from sglang_harden.testbed.profiles import Profile, default_profile
 
 Role = Literal["prefill", "decode", "mixed"]
 READY_LINE = "fired up and ready to roll"
@@ -144,7 +145,7 @@ class Server(_Process):
         transfer_backend: str = "mooncake",
         bootstrap_port: int | None = None,
         num_reserved_decode_tokens: int | None = 32,
-        disable_radix_cache: bool = True,
+        profile: Profile | None = None,
         extra_flags: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         launcher_module: str = VANILLA_LAUNCHER,
@@ -160,7 +161,7 @@ class Server(_Process):
         self.max_total_tokens, self.context_length = max_total_tokens, context_length
         self.transfer_backend = transfer_backend
         self.num_reserved_decode_tokens = num_reserved_decode_tokens
-        self.disable_radix_cache = disable_radix_cache
+        self.profile = profile or default_profile()
         self.extra_flags, self.extra_env = list(extra_flags), dict(env or {})
         self.launcher_module, self.startup_timeout = launcher_module, startup_timeout
         self.name = name or f"{role}-{pin}"
@@ -215,8 +216,7 @@ class Server(_Process):
             "--random-seed",
             "0",
         ]
-        if self.disable_radix_cache:
-            cmd.append("--disable-radix-cache")
+        cmd += self.profile.server_flags()
         if self.role != "mixed":
             cmd += ["--disaggregation-mode", self.role, "--disaggregation-transfer-backend", self.transfer_backend]
         if self.role == "prefill":
@@ -230,10 +230,14 @@ class Server(_Process):
     def environment(self) -> dict[str, str]:
         """The pin's CPU env + shims + extra env. sglang-harden is installed in every pin venv and SGLang's
         plugin loader would arm it: a vanilla launch gets ``SGLANG_HARDEN_ACTIVATE=0`` unless given."""
-        extra = dict(self.extra_env)
+        extra = {**self.profile.server_env(), **self.extra_env}
         if self.launcher_module == VANILLA_LAUNCHER:
             extra.setdefault(ACTIVATE_ENV, "0")
-        return testbed_env(self.recipe, extra)
+        env = testbed_env(self.recipe, extra)
+        for name in self.profile.dropped_env():
+            if name not in self.extra_env:
+                env.pop(name, None)
+        return env
 
     def start(self) -> Server:
         """Launch without waiting (see ``wait_ready``)."""
@@ -442,7 +446,7 @@ class PDPair:
         context_length: int = 512,
         transfer_backend: str = "mooncake",
         num_reserved_decode_tokens: int | None = 32,
-        disable_radix_cache: bool = True,
+        profile: Profile | None = None,
         prefill_flags: Sequence[str] = (),
         decode_flags: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
@@ -455,13 +459,14 @@ class PDPair:
         progress: bool = False,
     ) -> None:
         self.pin = pin
+        self.profile = profile or default_profile()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"sglang-harden-pd-{pin}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         common: dict[str, Any] = dict(
             context_length=context_length,
             transfer_backend=transfer_backend,
-            disable_radix_cache=disable_radix_cache,
+            profile=self.profile,
             launcher_module=launcher_module,
             log_dir=self.log_dir,
             startup_timeout=startup_timeout,
@@ -555,7 +560,7 @@ class PDPair:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able description (urls, ports, pids, logs) of a started pair."""
-        out: dict[str, Any] = {"pin": self.pin, "log_dir": str(self.log_dir)}
+        out: dict[str, Any] = {"pin": self.pin, "profile": self.profile.name, "log_dir": str(self.log_dir)}
         for part in self.parts():
             role = getattr(part, "role", "router")
             out[role] = {
