@@ -1,0 +1,166 @@
+"""The incident on the production-shaped testbed profile ``paged16``: 16-token pages, the radix prefix cache on,
+chunked prefill (64-token chunks, so tenant A's 200-token prompt takes four), and each pin's own default for early
+send of the cached prefix (``sglang_harden.testbed.profiles``). Per pin and transfer backend: 0.5.19/Mooncake,
+0.5.23/Mooncake, 0.5.23/NIXL.
+
+Rounds: a warm-up, then tenant A seeds (1, 2, 1, 2), each round A then the oversized B (the incident setup of
+``sglang_harden.testbed.incident``: prefill limit 250 < B's 300 tokens <= decode's 394), and A's prompt once more.
+
+- the profile is in force: page size 16 in both servers' arguments, chunk 64 and the radix cache on prefill,
+  full 64-token chunks in prefill's log, and radix hits when A's prompt is sent again right after A (the small
+  prefill pool holds one A at a time) — with the same answer as the first send;
+- vanilla: leak pins serve B with HTTP 200 over more than half of A's decode rows (the kv tracer); 0.5.21+ pins
+  refuse B at prefill while decode never answers 200;
+- hardened (capacity gate in ``log`` mode: the pools are deliberately too small): every B is refused with 400 by
+  prefill and decode and decode never runs a forward for it; A's answers are exactly vanilla's; both pools are
+  full at quiesce and decode's page ledger (fed by the paged allocator's free hook) tracks no page and
+  quarantines none.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.client import PairResult, greedy_body
+from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.incident import (
+    IncidentSetup,
+    RoundResult,
+    run_round,
+    start_incident_pair,
+    tenant_a_prompt,
+)
+from sglang_harden.testbed.profiles import get_profile
+
+pytestmark = pytest.mark.e2e
+
+PROFILE = get_profile("paged16")
+SETUP = IncidentSetup(waiting_timeout_s=20)
+HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
+TOO_LONG = "exceeds the maximum allowed length"
+RECIPES = load_pins()
+CASES = [f"{pin}/{backend}" for pin in ("0.5.19", "0.5.23") if pin in RECIPES
+         for backend in ("mooncake", "nixl") if backend in RECIPES[pin].transfer_backends]
+
+
+def _say(msg: str) -> None:
+    print(f"[paged-profile-e2e] {msg}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
+    """``<pin>/<transfer backend>``; module-scoped, so one case's two runs serve all its tests."""
+    require_pin(str(request.param).split("/")[0])
+    return str(request.param)
+
+
+def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any]:
+    """Warm-up + the A/B rounds on a fresh pair (stopped again). Vanilla stops after the first round decode did
+    not serve (0.5.21+: decode sits out its waiting timeout each time; once is enough)."""
+    pair = start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, transfer_backend=backend,
+                               harden_env=HARDEN_ENV, profile=PROFILE, progress=True)
+    rounds: list[RoundResult] = []
+    repeats: list[PairResult] = []
+    try:
+        args = {role: _serving_args(server.server_info()) for role, server in
+                (("prefill", pair.prefill), ("decode", pair.decode))}
+        for index, seed in enumerate((SETUP.warmup_seed, *SETUP.a_seeds)):
+            rounds.append(run_round(pair, index, seed, SETUP))
+            # the prefill pool holds one A at a time: A's prompt again, at once, is a radix hit
+            repeats.append(pair.generate(greedy_body(tenant_a_prompt(seed, SETUP.a_len), SETUP.new_tokens,
+                                                     rid=f"A{index}-again")))
+            if not hardened and not rounds[-1].b.decode.ok:
+                break
+        quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
+    finally:
+        pair.stop()
+    return {"args": args, "rounds": rounds, "repeats": repeats, "quiesce": quiesce,
+            "prefill_log": pair.prefill.log_text()}
+
+
+def _serving_args(info: dict[str, Any]) -> dict[str, Any]:
+    return {key: info.get(key) for key in ("page_size", "chunked_prefill_size", "disable_radix_cache")}
+
+
+@pytest.fixture(scope="module")
+def runs(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    version, backend = pin.split("/")
+    out = {}
+    for variant in ("vanilla", "hardened"):
+        log_dir: Path = tmp_path_factory.mktemp(f"paged16-{version}-{backend}-{variant}")
+        _say(f"{pin} {variant}: {PROFILE.describe()} (logs {log_dir})")
+        out[variant] = _run(version, backend, variant == "hardened", log_dir)
+    return out
+
+
+def _cached_tokens(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"#cached-token: (\d+)", log)]
+
+
+def _new_tokens(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"#new-token: (\d+)", log)]
+
+
+def _brief(rounds: list[RoundResult]) -> list[dict[str, Any]]:
+    return [{"round": r.index, "a": r.a.decode.status, "b_prefill": r.b.prefill.summary(),
+             "b_decode": r.b.decode.summary(), "a_rows_read_by_b": r.a_rows_read_by_b} for r in rounds]
+
+
+def test_profile_in_force(runs: dict[str, dict[str, Any]]) -> None:
+    for variant, run in runs.items():
+        assert run["args"]["prefill"] == {"page_size": 16, "chunked_prefill_size": 64,
+                                          "disable_radix_cache": False}, run["args"]
+        assert run["args"]["decode"]["page_size"] == 16, run["args"]
+        assert SETUP.a_len > 64 and 64 in _new_tokens(run["prefill_log"]), f"{variant}: no full 64-token chunk"
+        cached = _cached_tokens(run["prefill_log"])
+        assert max(cached, default=0) >= 16, f"{variant}: no radix hit on A's prompt sent again ({cached})"
+
+
+def test_radix_hit_answers_like_the_first_send(runs: dict[str, dict[str, Any]]) -> None:
+    for variant, run in runs.items():
+        for first, again in zip(run["rounds"], run["repeats"], strict=True):
+            assert first.a.decode.status == again.decode.status == 200, (variant, again.decode.summary())
+            assert first.a.decode.output_ids == again.decode.output_ids, (variant, first.index)
+
+
+def test_vanilla_behaviour_on_paged_kv(pin: str, runs: dict[str, dict[str, Any]]) -> None:
+    rounds = runs["vanilla"]["rounds"]
+    if RECIPES[pin.split("/")[0]].incident == "leak":
+        assert len(rounds) == 1 + len(SETUP.a_seeds), _brief(rounds)
+        for r in rounds:
+            assert r.b.decode.status == 200, _brief(rounds)
+            assert r.a_rows_read_by_b > SETUP.a_len // 2, _brief(rounds)
+    else:
+        first = rounds[0]
+        assert first.b.prefill.status == 400 and TOO_LONG in first.b.prefill.error_message(), _brief(rounds)
+        assert first.b.decode.status != 200, _brief(rounds)
+
+
+def test_hardened_refuses_b_at_both_doors(runs: dict[str, dict[str, Any]]) -> None:
+    rounds = runs["hardened"]["rounds"]
+    assert len(rounds) == 1 + len(SETUP.a_seeds), _brief(rounds)
+    for r in rounds:
+        assert r.b.prefill.status == 400 and TOO_LONG in r.b.prefill.error_message(), _brief(rounds)
+        assert r.b.decode.status == 400 and TOO_LONG in r.b.decode.error_message(), _brief(rounds)
+        assert r.b_rows is None and r.a_rows_read_by_b == 0, _brief(rounds)
+
+
+def test_hardened_answers_a_like_vanilla(runs: dict[str, dict[str, Any]]) -> None:
+    vanilla, hardened = runs["vanilla"]["rounds"], runs["hardened"]["rounds"]
+    for v, h in zip(vanilla, hardened, strict=False):
+        assert v.a.decode.status == h.a.decode.status == 200, (_brief(vanilla), _brief(hardened))
+        assert v.a.decode.output_ids == h.a.decode.output_ids, (v.index, v.a.decode.summary(), h.a.decode.summary())
+
+
+def test_hardened_pools_full_and_ledger_clean(runs: dict[str, dict[str, Any]]) -> None:
+    quiesce = runs["hardened"]["quiesce"]
+    assert all(pool.get("full") for pool in quiesce.values()), quiesce
+    ledger = quiesce["decode"].get("harden_lifecycle") or {}
+    assert ledger.get("page_size") == 16, quiesce
+    assert ledger.get("pages_not_free_in_ledger") == 0 and ledger.get("quarantined_pages") == 0, quiesce
