@@ -23,7 +23,9 @@ from sglang_harden.testbed.latewrite import (  # noqa: E402
     LateWriteSetup,
     collect_report,
     print_report,
+    setup_for,
 )
+from sglang_harden.testbed.profiles import PROFILES  # noqa: E402
 
 
 def _say(msg: str) -> None:
@@ -39,13 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-s", type=float, default=LateWriteSetup.delay_s)
     parser.add_argument("--blocking", action="store_true",
                         help="the late write blocks prefill's transfer worker instead of timing out the engine call")
-    parser.add_argument("--decode-pool", type=int, default=LateWriteSetup.decode_max_total_tokens,
-                        help="decode --max-total-tokens: small enough that freed pages are reused at once")
+    parser.add_argument("--decode-pool", type=int, default=None,
+                        help="decode --max-total-tokens: small enough that freed pages are reused at once "
+                             "(default: measured per page size, DECODE_POOL_BY_PAGE_SIZE)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=LateWriteSetup.profile,
+                        help="testbed profile: KV page size, radix cache, chunked prefill, early send")
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    setup = replace(LateWriteSetup(), backend=args.backend, delay_s=args.delay_s,
-                    decode_max_total_tokens=args.decode_pool,
+    base = setup_for(args.profile, args.backend)
+    setup = replace(base, delay_s=args.delay_s,
+                    decode_max_total_tokens=args.decode_pool or base.decode_max_total_tokens,
                     engine_timeout_s=None if args.blocking else LateWriteSetup.engine_timeout_s)
     report = collect_report(args.pins or ["0.5.19", "0.5.23"], tuple(args.variants or ("vanilla", "hardened")),
                             setup, args.log_dir, _say)

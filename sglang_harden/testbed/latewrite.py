@@ -35,8 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sglang_harden.events import LOG_TAG as DECISION_TAG
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
+from sglang_harden.testbed.profiles import get_profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
 
 LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
@@ -71,6 +73,25 @@ class LateWriteSetup:
     room_a: int = 777_000_001
     quiesce_timeout_s: float = 60.0
     room_misowned: int = 777_000_002
+    # testbed profile (sglang_harden.testbed.profiles): KV page size, radix cache, chunked prefill, early send
+    profile: str = "minimal"
+
+
+# Decode pool per KV page size: A's pages (kept in quarantine by a hardened server) plus one victim fit, so a
+# hardened server keeps serving victims while A's write is pending; small enough that a vanilla server hands
+# A's freed pages to the next victim. Page 16 rounds A and the victim up to whole pages (340 would make victims
+# wait for A's quarantine to end, after the write's own deadline: nothing would land while a victim decodes).
+DECODE_POOL_BY_PAGE_SIZE = {1: 340, 16: 384}
+
+
+def setup_for(profile: str, backend: str = "mooncake") -> LateWriteSetup:
+    """The scenario's sizes for a testbed profile (``sglang_harden.testbed.profiles``)."""
+    page_size = get_profile(profile).page_size
+    if page_size not in DECODE_POOL_BY_PAGE_SIZE:
+        raise ValueError(f"late-write scenario: no decode pool size measured for page size {page_size} "
+                         f"(profile {profile!r}); known: {sorted(DECODE_POOL_BY_PAGE_SIZE)}")
+    return LateWriteSetup(backend=backend, profile=profile,
+                          decode_max_total_tokens=DECODE_POOL_BY_PAGE_SIZE[page_size])
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -107,6 +128,7 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         decode_max_total_tokens=setup.decode_max_total_tokens,
         context_length=setup.context_length,
         num_reserved_decode_tokens=setup.num_reserved_decode_tokens,
+        profile=get_profile(setup.profile),
         env=env,
         launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
         router=router,
@@ -303,7 +325,10 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     ref = _b_summary(run["ref"].decode)
     trace = read_kvtrace(trace_dir)
     releases = {e["rid"]: e for e in trace if e.get("event") == "release"}
+    first_decodes = {e["rid"]: e for e in trace if e.get("event") == "first_decode"}
     writes = _late_writes(trace_dir)
+    a_pages = _send_targets(writes)
+    landed_at = next((w["t"] for w in writes if w["event"] == "late_write"), None)
     victims: dict[str, dict[str, Any]] = {}
     for rid, pair_result in run["victims"].items():
         b = _b_summary(pair_result.decode)
@@ -316,6 +341,8 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
             "elapsed_s": round(b["elapsed_s"], 2),
             "context_rows_changed": changed,
             "output_differs_from_reference": differs,
+            "pages_shared_with_a": len(set((first_decodes.get(rid) or {}).get("pages") or ()) & a_pages),
+            "decoded_before_write_landed": _before(first_decodes.get(rid), landed_at),
             "corrupted": bool(changed) or differs,
         }
     pool = run["pool"]
@@ -325,14 +352,42 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
         "late_write_t_rel": next((round(w["t"] - run["t0"], 2) for w in writes if w["event"] == "late_write"), None),
         "late_write_triggered_by": run.get("triggered_by"),
         "late_write_trigger_reason": run.get("trigger_reason"),
-        "a_decode_pages": sorted(_send_targets(writes)),
+        "a_decode_pages": sorted(a_pages),
         "victims": victims,
         "served_requests": sum(1 for v in victims.values() if v["status"] == 200),
         "corrupted_requests": sum(1 for v in victims.values() if v["corrupted"]),
         "pages_back_at_quiesce": back,
+        "handed_a_pages_before_write_landed": sorted(
+            rid for rid, v in victims.items() if v["pages_shared_with_a"] and v["decoded_before_write_landed"]
+        ),
+        "tracer_gaps": sorted(rid for rid, v in victims.items()
+                              if v["status"] == 200 and v["context_rows_changed"] is None),
+        "a_pages_quarantined": _quarantined_pages(run.get("decode_log", ""), run.get("room_a")),
         "decode_pool": pool,
         "misowned_page_request": _misowned(run["misowned"].decode),
     }
+
+
+def _before(first_decode: dict[str, Any] | None, landed_at: float | None) -> bool | None:
+    if first_decode is None or landed_at is None:
+        return None
+    return float(first_decode["t"]) < landed_at
+
+
+def _quarantined_pages(decode_log: str, room: int | None) -> int:
+    """Pages of A's room the lifecycle guard put in quarantine, from decode's structured decision lines."""
+    total = 0
+    for line in decode_log.splitlines():
+        _, tag, payload = line.partition(DECISION_TAG + " ")
+        if not tag:
+            continue
+        try:
+            decision = json.loads(payload)
+        except ValueError:
+            continue
+        if decision.get("decision") == "quarantine" and decision.get("owner") == f"room:{room}":
+            total += int(decision.get("pages") or 0)
+    return total
 
 
 def _misowned(res: GenResult) -> dict[str, Any]:
@@ -353,6 +408,7 @@ def run_late_write(
         run = run_scenario(pair, setup, say, land_after_release=hardened)
     finally:
         pair.stop()
+    run.update(decode_log=pair.decode.log_text(), room_a=setup.room_a)
     result = judge(run, log_dir / "kvtrace")
     result.update(
         {

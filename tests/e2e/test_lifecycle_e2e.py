@@ -1,5 +1,6 @@
-"""Guards II (page lifecycle + page tags) on real CPU PD pairs: a late KV write, vanilla vs hardened, per pin and
-transfer backend (Mooncake on every pin; NIXL where ci/pins.toml lists it: 0.5.23).
+"""Guards II (page lifecycle + page tags) on real CPU PD pairs: a late KV write, vanilla vs hardened, per pin,
+transfer backend (Mooncake on every pin; NIXL where ci/pins.toml lists it: 0.5.23) and testbed profile
+(``minimal``: page 1, radix off; ``paged16``: 16-token pages, radix cache, chunked prefill, the pin's early send).
 
 Scenario and oracles: ``sglang_harden.testbed.latewrite`` (the test-only ``latewrite`` shim makes the engine call
 for request A give up after 1 s while A's bytes land later, as soon as a victim B decodes over one of A's decode
@@ -15,12 +16,16 @@ when a victim decodes. Per pin (0.5.19 and 0.5.23 first) and backend:
 - hardened: 0 corrupted victims, every decode page back at quiesce (nothing left in quarantine), and the
   request whose page was deliberately mis-owned (``misown`` test hook) is aborted with 500, never generated.
   On NIXL the quarantined pages leave on prefill's drain ack, sent once the failed write's lifetime passed.
+  The clean verdict is checked against its own evidence: all of A's pages were quarantined (decode's decision
+  lines), the write landed by the named rule while a victim decoded, no victim decoded over one of A's pages
+  before it landed, and the KV tracer judged every served victim.
 
 One pair runs at a time and is always stopped (``run_late_write``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,37 +33,35 @@ from typing import Any
 import pytest
 
 from sglang_harden.testbed.envs import get_recipe
-from sglang_harden.testbed.latewrite import LateWriteSetup, run_late_write
+from sglang_harden.testbed.latewrite import run_late_write, setup_for
 
 pytestmark = pytest.mark.e2e
 
 PINS = ["0.5.19", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
+PROFILES = ["minimal", "paged16"]
+CASES = [f"{pin}/{backend}/{profile}" for profile in PROFILES for pin in PINS for backend in BACKENDS
+         if backend in get_recipe(pin).transfer_backends]
 
 
-@pytest.fixture(scope="module", params=PINS)
+@pytest.fixture(scope="module", params=CASES)
 def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
-    require_pin(request.param)
-    return str(request.param)
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend(request: pytest.FixtureRequest, pin: str) -> str:
-    if request.param not in get_recipe(pin).transfer_backends:
-        pytest.skip(f"{request.param} is not a transfer backend of {pin} in ci/pins.toml")
+    """``<pin>/<transfer backend>/<testbed profile>``; module-scoped: one case's pairs serve all its tests."""
+    require_pin(str(request.param).split("/")[0])
     return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def results(pin: str, backend: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    root: Path = tmp_path_factory.mktemp(f"latewrite-{pin}-{backend}")
-    setup = LateWriteSetup(backend=backend)
-    results = {v: run_late_write(pin, v == "hardened", root / v, setup) for v in ("vanilla", "hardened")}
+def results(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    version, backend, profile = pin.split("/")
+    root: Path = tmp_path_factory.mktemp(f"latewrite-{version}-{backend}-{profile}")
+    setup = setup_for(profile, backend)
+    results = {v: run_late_write(version, v == "hardened", root / v, setup) for v in ("vanilla", "hardened")}
     vanilla = results["vanilla"]
     if not (vanilla["late_write_landed"] and vanilla["corrupted_requests"] >= 1):
         # On a host loaded enough that pairs boot in 4 minutes, no victim may be handed A's pages before the
         # shim's delay ends and the write lands on its own: one more try.
-        results["vanilla"] = {**run_late_write(pin, False, root / "vanilla-retry", setup), "attempts": 2}
+        results["vanilla"] = {**run_late_write(version, False, root / "vanilla-retry", setup), "attempts": 2}
     return results
 
 
@@ -68,12 +71,31 @@ def test_vanilla_late_write_corrupts_a_later_request(results: dict[str, dict[str
     assert res["corrupted_requests"] >= 1, res
 
 
+def _brief(res: dict[str, Any]) -> str:
+    """What a failed assertion needs to be diagnosed from CI output alone (pytest cuts long dict reprs)."""
+    keys = ("late_write_t_rel", "late_write_triggered_by", "late_write_trigger_reason", "victims",
+            "corrupted_requests", "a_pages_quarantined", "handed_a_pages_before_write_landed", "tracer_gaps",
+            "pages_back_at_quiesce", "decode_pool", "log_dir")
+    return json.dumps({k: res.get(k) for k in keys}, default=str)
+
+
 def test_hardened_no_corruption_and_pages_back(results: dict[str, dict[str, Any]]) -> None:
     res = results["hardened"]
-    assert res["late_write_landed"], res
-    assert res["served_requests"] >= 1, res
-    assert res["corrupted_requests"] == 0, res
-    assert res["pages_back_at_quiesce"], res
+    assert res["late_write_landed"], _brief(res)
+    assert res["served_requests"] >= 1, _brief(res)
+    assert res["corrupted_requests"] == 0, _brief(res)
+    assert res["pages_back_at_quiesce"], _brief(res)
+
+
+def test_hardened_oracles_saw_what_they_judge(results: dict[str, dict[str, Any]]) -> None:
+    """The clean verdict counts only if A's pages really went to quarantine, the write really landed while a
+    victim decoded (rule named), no victim was handed one of A's pages before the write landed, and the KV
+    tracer judged every served victim (a missing ``context_rows_changed`` is a gap, not a clean row)."""
+    res = results["hardened"]
+    assert res["a_decode_pages"] and res["a_pages_quarantined"] >= len(res["a_decode_pages"]), _brief(res)
+    assert res["late_write_trigger_reason"] == "sent after A's release", _brief(res)
+    assert res["handed_a_pages_before_write_landed"] == [], _brief(res)
+    assert res["tracer_gaps"] == [], _brief(res)
     lifecycle = res["decode_pool"]["lifecycle"]
     assert lifecycle["quarantined_pages"] == 0, lifecycle
 

@@ -481,3 +481,51 @@ def test_landing_trigger_fires_when_a_victim_decodes_over_As_pages(tmp_path: Pat
         assert trigger.reason == "decodes over A's pages" and trigger_path(tmp_path).exists()
     finally:
         trigger.stop()
+
+
+def _late_write_run(decode_log: str, victims: dict[str, list[int]]) -> dict[str, Any]:
+    from sglang_harden.testbed.client import GenResult, PairResult
+
+    def answer() -> PairResult:
+        ok = GenResult(status=200, body={}, elapsed_s=1.0, output_ids=[1, 2], logprobs=[-0.5, -0.25])
+        return PairResult(prefill=ok, decode=ok, room=0)
+
+    return {"t0": 0.0, "victims": {rid: answer() for rid in victims}, "ref": answer(),
+            "pool": {"available_tokens": 340, "max_total_num_tokens": 340},
+            "misowned": answer(), "decode_log": decode_log, "room_a": 42}
+
+
+@pytest.mark.parametrize("handed_early", [False, True])
+def test_late_write_judge_reports_what_its_verdict_rests_on(tmp_path: Path, handed_early: bool) -> None:
+    """A's quarantined page count comes from decode's decision lines; a victim that decoded over one of A's pages
+    before the write landed is named; a served victim the tracer did not judge is a gap, not a clean row."""
+    from sglang_harden.testbed.latewrite import judge
+
+    trace = tmp_path / "kvtrace"
+    _append_jsonl(trace / "latewrite-1.jsonl", {"event": "kv_send", "room": 42, "dst_pages": [100, 101, 102]})
+    _append_jsonl(trace / "latewrite-1.jsonl", {"event": "late_write", "room": 42, "t": 50.0})
+    b0_pages = [101, 7] if handed_early else [7, 8]
+    _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B0", "pages": b0_pages, "t": 40.0})
+    _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "release", "rid": "B0", "context_rows_changed": 0})
+    _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B1", "pages": [102], "t": 60.0})
+    decode_log = "\n".join([
+        '[t] sglang_harden.decision {"decision": "quarantine", "owner": "room:42", "pages": 2}',
+        '[t] sglang_harden.decision {"decision": "quarantine", "owner": "room:43", "pages": 9}',
+        '[t] sglang_harden.decision {"decision": "quarantine", "owner": "room:42", "pages": 1}',
+        "[t] some other line",
+    ])
+    result = judge(_late_write_run(decode_log, {"B0": b0_pages, "B1": [102]}), trace)
+    assert result["a_pages_quarantined"] == 3
+    assert result["handed_a_pages_before_write_landed"] == (["B0"] if handed_early else [])
+    assert result["victims"]["B1"]["pages_shared_with_a"] == 1  # after the write landed: not "handed early"
+    assert result["tracer_gaps"] == ["B1"]  # served, but no release line with context_rows_changed
+
+
+def test_late_write_setup_per_profile() -> None:
+    from sglang_harden.testbed.latewrite import setup_for
+
+    assert setup_for("minimal").decode_max_total_tokens == 340
+    paged = setup_for("paged16", "nixl")
+    assert (paged.decode_max_total_tokens, paged.backend, paged.profile) == (384, "nixl", "paged16")
+    with pytest.raises(ValueError, match="no decode pool size measured for page size 64"):
+        setup_for("paged64")
