@@ -124,6 +124,8 @@ def _harden_state(server: Server) -> dict[str, Any]:
 
 
 def _wait_pool_full(server: Server, timeout: float = PROMPT_BOUND_S) -> dict[str, Any]:
+    """The server's sglang_harden state once its pool is full, or the last state seen at ``timeout`` (callers
+    assert on it: free == max_total_num_tokens)."""
     deadline = time.monotonic() + timeout
     while True:
         state = _harden_state(server)
@@ -222,7 +224,8 @@ def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     _assert_decode_refused(h.decode, "prefill sent KV for 250 tokens but decode reserved 300", pin)
     assert not _decode_generated_for(hardened, "trunc-B")
     assert h.decode.elapsed_s < AFTER_FORWARD_BOUND_S, h.decode.summary()
-    assert _wait_pool_full(hardened.decode).get("available_tokens") is not None
+    state = _wait_pool_full(hardened.decode)
+    assert state.get("available_tokens", 0) + state.get("evictable_tokens", 0) == state["max_total_num_tokens"], state
 
 
 def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: str) -> None:
