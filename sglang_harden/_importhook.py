@@ -56,12 +56,15 @@ _pending: dict[str, list[Callback]] = {}
 _resolving = threading.local()  # .names: the names this thread is asking the other finders about right now
 
 
-def when_imported(module_name: str, callback: Callback) -> None:
-    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
+def when_imported(module_name: str, callback: Callback, first: bool = False) -> None:
+    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is). ``first``: before
+    the callbacks registered earlier (a test shim standing in for a different SGLang build must change the
+    module before any hook looks at it)."""
     with _lock:
         module = sys.modules.get(module_name)
         if module is None or _is_initialising(module):
-            _pending.setdefault(module_name, []).append(callback)
+            queue = _pending.setdefault(module_name, [])
+            queue.insert(0 if first else len(queue), callback)
             _ensure_finder_installed()
             return
     callback(module)

@@ -359,3 +359,16 @@ def test_hooked_loader_forwards_and_survives_copy() -> None:
     assert wrapped.get_filename("x") == __file__
     assert copy.copy(wrapped)._inner is inner
     assert _importhook._hooked(wrapped) is wrapped
+
+
+def test_first_callback_runs_before_earlier_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_harden._importhook import when_imported
+
+    (tmp_path / "shim_order_target.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+    when_imported("shim_order_target", lambda m: seen.append("hook"))
+    when_imported("shim_order_target", lambda m: seen.append("shim"), first=True)
+    import shim_order_target  # noqa: F401
+
+    assert seen == ["shim", "hook"]

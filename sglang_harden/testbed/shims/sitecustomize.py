@@ -315,6 +315,10 @@ def _main() -> None:
         import sglang_harden_misown
 
         sglang_harden_misown.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_BREAK_HOOK"):
+        import sglang_harden_breakhook
+
+        sglang_harden_breakhook.install()
     if os.environ.get("SGLANG_HARDEN_TESTBED_DELEGATING_FINDER"):  # last: placed next to sglang-harden's finder
         import sglang_harden_delegating_finder
 
