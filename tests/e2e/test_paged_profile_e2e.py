@@ -14,7 +14,9 @@ Rounds: a warm-up, then tenant A seeds (1, 2, 1, 2), each round A then the overs
 - hardened (capacity gate in ``log`` mode: the pools are deliberately too small): every B is refused with 400 by
   prefill and decode and decode never runs a forward for it; A's answers are exactly vanilla's; both pools are
   full at quiesce and decode's page ledger (fed by the paged allocator's free hook) tracks no page and
-  quarantines none.
+  quarantines none;
+- a transfer that leaves out one reserved page and reports success (test-only ``kvfault`` shim): vanilla serves
+  it, the hardened canary (``enforce``, its default) aborts it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ pytestmark = pytest.mark.e2e
 PROFILE = get_profile("paged16")
 SETUP = IncidentSetup(waiting_timeout_s=20)
 HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
+# The test-only kvfault shim: a KV send of exactly 3 pages leaves out its last page and still reports success.
+# Only the 40-token request below makes such a send here (A's chunks are 4 pages, its final pieces 1, a radix
+# hit's early send 12), so decode's third reserved page keeps what it held: the incident's stale page.
+UNWRITTEN_PAGES = 3
+UNWRITTEN_LEN = 40
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES}"}
 TOO_LONG = "exceeds the maximum allowed length"
 RECIPES = load_pins()
 CASES = [f"{pin}/{backend}" for pin in ("0.5.19", "0.5.23") if pin in RECIPES
@@ -64,7 +72,7 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
     """Warm-up + the A/B rounds on a fresh pair (stopped again). Vanilla stops after the first round decode did
     not serve (0.5.21+: decode sits out its waiting timeout each time; once is enough)."""
     pair = start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, transfer_backend=backend,
-                               harden_env=HARDEN_ENV, profile=PROFILE, progress=True)
+                               extra_env=FAULT_ENV, harden_env=HARDEN_ENV, profile=PROFILE, progress=True)
     rounds: list[RoundResult] = []
     repeats: list[PairResult] = []
     try:
@@ -77,11 +85,14 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
                                                      rid=f"A{index}-again")))
             if not hardened and not rounds[-1].b.decode.ok:
                 break
+        unwritten = pair.generate(greedy_body(tenant_a_prompt(9, UNWRITTEN_LEN), 8, rid="unwritten-page"),
+                                  timeout=SETUP.waiting_timeout_s + 120)
+        decisions = pair.decode.harden_decisions() if hardened else {}
         quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
     finally:
         pair.stop()
-    return {"args": args, "rounds": rounds, "repeats": repeats, "quiesce": quiesce,
-            "prefill_log": pair.prefill.log_text()}
+    return {"args": args, "rounds": rounds, "repeats": repeats, "unwritten": unwritten, "decisions": decisions,
+            "quiesce": quiesce, "prefill_log": pair.prefill.log_text()}
 
 
 def _serving_args(info: dict[str, Any]) -> dict[str, Any]:
@@ -156,6 +167,17 @@ def test_hardened_answers_a_like_vanilla(runs: dict[str, dict[str, Any]]) -> Non
     for v, h in zip(vanilla, hardened, strict=False):
         assert v.a.decode.status == h.a.decode.status == 200, (_brief(vanilla), _brief(hardened))
         assert v.a.decode.output_ids == h.a.decode.output_ids, (v.index, v.a.decode.summary(), h.a.decode.summary())
+
+
+def test_unwritten_page_served_by_vanilla_refused_by_the_canary(runs: dict[str, dict[str, Any]]) -> None:
+    """A transfer that skipped one reserved page and reported success: vanilla decode generates over the page's
+    old content; hardened decode (every guard in its default mode: the canary in ``enforce``) aborts before the
+    first decode step, and it is the canary's verdict (it runs before the digest at commit)."""
+    vanilla, hardened = runs["vanilla"]["unwritten"].decode, runs["hardened"]["unwritten"].decode
+    assert vanilla.status == 200 and vanilla.output_ids, vanilla.summary()
+    assert hardened.status >= 400 and not hardened.output_ids, hardened.summary()
+    assert "reserved KV pages were never written by its transfer" in hardened.error_message(), hardened.summary()
+    assert runs["hardened"]["decisions"].get("canary:abort", 0) == 1, runs["hardened"]["decisions"]
 
 
 def test_hardened_pools_full_and_ledger_clean(runs: dict[str, dict[str, Any]]) -> None:
