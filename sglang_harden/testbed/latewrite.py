@@ -348,8 +348,8 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     pool = run["pool"]
     back = pool.get("available_tokens") is not None and pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0)
     return {
-        "late_write_landed": any(w["event"] == "late_write" for w in writes),
-        "late_write_t_rel": next((round(w["t"] - run["t0"], 2) for w in writes if w["event"] == "late_write"), None),
+        "late_write_landed": landed_at is not None,
+        "late_write_t_rel": None if landed_at is None else round(landed_at - run["t0"], 2),
         "late_write_triggered_by": run.get("triggered_by"),
         "late_write_trigger_reason": run.get("trigger_reason"),
         "a_decode_pages": sorted(a_pages),
