@@ -85,8 +85,9 @@ def check_pin(config: pytest.Config, pin: str) -> None:
 
 @pytest.fixture(scope="session")
 def require_pin(pytestconfig: pytest.Config) -> Callable[[str], None]:
-    """``require_pin(pin)``: skip if not selected, fail with the build command if its venv is missing."""
-    return lambda pin: check_pin(pytestconfig, pin)
+    """``require_pin(pin)``: skip if not selected, fail with the build command if its venv is missing. Also takes
+    a test case named ``<pin>/<backend>[/…]`` (the pin is what comes before the first slash)."""
+    return lambda case: check_pin(pytestconfig, case.split("/")[0])
 
 
 def _recorded_groups() -> list[int]:

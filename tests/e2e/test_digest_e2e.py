@@ -64,7 +64,7 @@ def _say(msg: str) -> None:
 @pytest.fixture(scope="module", params=CASES)
 def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
     """``<pin>/<transfer backend>``; module-scoped, so one case's pairs serve all its tests."""
-    require_pin(str(request.param).split("/")[0])
+    require_pin(str(request.param))
     return str(request.param)
 
 

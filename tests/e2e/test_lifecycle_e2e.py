@@ -47,7 +47,7 @@ CASES = [f"{pin}/{backend}/{profile}" for profile in PROFILES for pin in PINS fo
 @pytest.fixture(scope="module", params=CASES)
 def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
     """``<pin>/<transfer backend>/<testbed profile>``; module-scoped: one case's pairs serve all its tests."""
-    require_pin(str(request.param).split("/")[0])
+    require_pin(str(request.param))
     return str(request.param)
 
 
