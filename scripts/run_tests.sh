@@ -28,4 +28,4 @@ torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_pyt
 # Two workers: the e2e tests spend most of their time waiting on servers (start-up, timeouts); each worker
 # runs whole (module, pin) groups, so a module's pairs for one pin start once (tests/conftest.py).
 workers="${SGLANG_HARDEN_TEST_WORKERS:-2}"
-exec python3 -m pytest -ra --durations=25 -n "$workers" --dist loadgroup "$@"
+exec python3 -m pytest -ra --durations=60 -n "$workers" --dist loadgroup "$@"

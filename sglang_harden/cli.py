@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("sglang_harden.tools.probe", "end-to-end isolation probes against a running endpoint"),
     "model": ("sglang_harden.protocol.cli", "check the executable model of the PD handoff"),
     "testbed": ("sglang_harden.testbed.cli", "build pin environments and start/stop real PD pairs"),
+    "soak": ("sglang_harden.tools.soak", "mixed, hostile traffic on a real PD topology, judged by independent oracles"),
     "patch": ("sglang_harden.tools.patch", "apply or verify the backport patch series on an SGLang tree"),
 }
 

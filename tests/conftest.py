@@ -3,6 +3,8 @@
 - ``--pins`` (default: env ``SGLANG_HARDEN_PINS``, else the CI pins of ``ci/pins.toml``) selects the SGLang
   pins that per-pin tests run for. A selected pin whose venv is missing FAILS its tests with the command that
   builds it; unselected pins are skipped.
+- ``--profiles`` (default: env ``SGLANG_HARDEN_TEST_PROFILES``, else ``[ci].profiles`` of ``ci/pins.toml``)
+  selects the testbed profiles of cases named ``<pin>/<backend>/<profile>``; the others are skipped, saying so.
 - Under pytest-xdist (``-n``), every test of one SGLang pin in one module runs on the same worker (its
   module-scoped server pairs start once), and each worker checks only the processes it started.
 - Every process group the testbed starts is recorded (in memory, and in a pid file that subprocesses started
@@ -29,6 +31,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated SGLang pins for per-pin tests (default: $SGLANG_HARDEN_PINS or ci/pins.toml [ci].pins;"
         " 'all' = every pin in ci/pins.toml)",
     )
+    parser.addoption(
+        "--profiles",
+        default=None,
+        help="comma-separated testbed profiles for cases named <pin>/<backend>/<profile> (default:"
+        " $SGLANG_HARDEN_TEST_PROFILES or ci/pins.toml [ci].profiles; 'all' = every profile)",
+    )
 
 
 def selected_pins(config: pytest.Config) -> list[str]:
@@ -39,6 +47,16 @@ def selected_pins(config: pytest.Config) -> list[str]:
         return all_pins()
     pins = [p.strip() for p in raw.split(",") if p.strip()]
     return pins or ci_pins()
+
+
+def selected_profiles(config: pytest.Config) -> list[str]:
+    from sglang_harden.testbed.envs import ci_profiles
+    from sglang_harden.testbed.profiles import PROFILES
+
+    raw = config.getoption("--profiles") or os.environ.get("SGLANG_HARDEN_TEST_PROFILES") or ""
+    if raw.strip() == "all":
+        return list(PROFILES)
+    return [p.strip() for p in raw.split(",") if p.strip()] or ci_profiles()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,8 +104,18 @@ def check_pin(config: pytest.Config, pin: str) -> None:
 @pytest.fixture(scope="session")
 def require_pin(pytestconfig: pytest.Config) -> Callable[[str], None]:
     """``require_pin(pin)``: skip if not selected, fail with the build command if its venv is missing. Also takes
-    a test case named ``<pin>/<backend>[/…]`` (the pin is what comes before the first slash)."""
-    return lambda case: check_pin(pytestconfig, case.split("/")[0])
+    a test case named ``<pin>/<backend>[/<profile>]`` (the pin is what comes before the first slash; a profile
+    not selected skips the case)."""
+
+    def require(case: str) -> None:
+        from sglang_harden.testbed.profiles import PROFILES
+
+        parts = case.split("/")
+        if len(parts) >= 3 and parts[2] in PROFILES and parts[2] not in selected_profiles(pytestconfig):
+            pytest.skip(f"testbed profile {parts[2]} not selected (--profiles / SGLANG_HARDEN_TEST_PROFILES)")
+        check_pin(pytestconfig, parts[0])
+
+    return require
 
 
 def _recorded_groups() -> list[int]:

@@ -111,6 +111,13 @@ def ci_pins(path: Path | None = None) -> list[str]:
     return list(tomllib.loads((path or pins_file()).read_text())["ci"]["pins"])
 
 
+def ci_profiles(path: Path | None = None) -> list[str]:
+    """Testbed profiles the CI runs profile-parametrized e2e cases on (``[ci].profiles``; default: all)."""
+    from sglang_harden.testbed.profiles import PROFILES
+
+    return list(tomllib.loads((path or pins_file()).read_text())["ci"].get("profiles", list(PROFILES)))
+
+
 def all_pins(path: Path | None = None) -> list[str]:
     """Every pin, in build order (the CI pins first)."""
     data = tomllib.loads((path or pins_file()).read_text())

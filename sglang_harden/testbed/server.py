@@ -344,13 +344,13 @@ class Server(_Process):
 
 
 class Router(_Process):
-    """sglang-router in PD mode in front of one prefill and one decode server."""
+    """sglang-router in PD mode in front of prefill and decode servers (one of each, or several: a fleet)."""
 
     def __init__(
         self,
         pin: str,
-        prefill: Server,
-        decode: Server,
+        prefill: Server | Sequence[Server],
+        decode: Server | Sequence[Server],
         log_dir: Path,
         startup_timeout: float = 120.0,
         extra_flags: Sequence[str] = (),
@@ -358,7 +358,8 @@ class Router(_Process):
         super().__init__()
         self.recipe = get_recipe(pin)
         self.python = require_env(pin)
-        self.prefill, self.decode = prefill, decode
+        self.prefills = [prefill] if isinstance(prefill, Server) else list(prefill)
+        self.decodes = [decode] if isinstance(decode, Server) else list(decode)
         self.pick_ports()
         self.name, self.log_path = f"router-{pin}", Path(log_dir) / f"router-{pin}.log"
         self.startup_timeout, self.extra_flags = startup_timeout, list(extra_flags)
@@ -377,11 +378,8 @@ class Router(_Process):
             "-m",
             "sglang_router.launch_router",
             "--pd-disaggregation",
-            "--prefill",
-            self.prefill.url,
-            str(self.prefill.bootstrap_port),
-            "--decode",
-            self.decode.url,
+            *[arg for p in self.prefills for arg in ("--prefill", p.url, str(p.bootstrap_port))],
+            *[arg for d in self.decodes for arg in ("--decode", d.url)],
             "--host",
             "127.0.0.1",
             "--port",
@@ -600,3 +598,106 @@ class PDPair:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class PDFleet:
+    """Several prefill and decode servers of one pin behind sglang-router in PD mode (e.g. 2P/2D), as one unit.
+
+    Every server gets the same sizes; each prefill its own bootstrap port. The router picks a prefill and a
+    decode per request (round robin). Started and stopped like :class:`PDPair`.
+    """
+
+    def __init__(
+        self,
+        pin: str,
+        *,
+        prefills: int = 2,
+        decodes: int = 2,
+        prefill_max_total_tokens: int,
+        decode_max_total_tokens: int,
+        context_length: int = 512,
+        transfer_backend: str = "mooncake",
+        num_reserved_decode_tokens: int | None = 32,
+        profile: Profile | None = None,
+        env: Mapping[str, str] | None = None,
+        prefill_env: Mapping[str, str] | None = None,
+        decode_env: Mapping[str, str] | None = None,
+        launcher_module: str = VANILLA_LAUNCHER,
+        log_dir: Path | None = None,
+        startup_timeout: float = 900.0,
+        progress: bool = False,
+    ) -> None:
+        if prefills < 1 or decodes < 1:
+            raise ServerError(f"a fleet needs at least one prefill and one decode (got {prefills}P/{decodes}D)")
+        self.pin, self.progress = pin, progress
+        self.profile = profile or default_profile()
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"sglang-harden-fleet-{pin}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        common: dict[str, Any] = dict(
+            context_length=context_length, transfer_backend=transfer_backend, profile=self.profile,
+            launcher_module=launcher_module, log_dir=self.log_dir, startup_timeout=startup_timeout,
+        )
+        self.prefills = [
+            Server(pin, "prefill", max_total_tokens=prefill_max_total_tokens, name=f"prefill{i}-{pin}",
+                   env={**(env or {}), **(prefill_env or {})}, **common)
+            for i in range(prefills)
+        ]
+        self.decodes = [
+            Server(pin, "decode", max_total_tokens=decode_max_total_tokens, name=f"decode{i}-{pin}",
+                   num_reserved_decode_tokens=num_reserved_decode_tokens,
+                   env={**(env or {}), **(decode_env or {})}, **common)
+            for i in range(decodes)
+        ]
+        self.router = Router(pin, self.prefills, self.decodes, self.log_dir)
+
+    @property
+    def servers(self) -> list[Server]:
+        return [*self.prefills, *self.decodes]
+
+    def parts(self) -> list[_Process]:
+        return [*self.servers, self.router]
+
+    def start(self) -> PDFleet:
+        """Start every server at once, wait for all, then the router; stop everything on any failure."""
+        try:
+            if self.progress:
+                _progress(f"{self.pin}: starting {len(self.prefills)}P/{len(self.decodes)}D (logs {self.log_dir})")
+            for server in self.servers:
+                server.start()
+            errors: list[BaseException] = []
+            threads = [threading.Thread(target=_wait_into, args=(s, errors)) for s in self.servers]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if errors:
+                raise errors[0]
+            self.router.start().wait_ready()
+            if self.progress:
+                _progress(f"{self.pin}: fleet ready behind sglang-router :{self.router.port}")
+        except BaseException:
+            self.stop(term_timeout=3.0)
+            raise
+        return self
+
+    def stop(self, term_timeout: float = 10.0) -> None:
+        parts = [p for p in self.parts() if p.proc is not None]
+        left = procs.kill_groups([p.proc.pid for p in parts], term_timeout=term_timeout)
+        for part in parts:
+            if part._finalizer is not None:
+                part._finalizer.detach()
+        if left:
+            raise ServerError(f"process groups {left} survived SIGKILL")
+
+    def __enter__(self) -> PDFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait_into(server: Server, errors: list[BaseException]) -> None:
+    try:
+        server.wait_ready()
+    except BaseException as exc:  # surfaced by the caller
+        errors.append(exc)

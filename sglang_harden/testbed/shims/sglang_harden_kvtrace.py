@@ -29,7 +29,8 @@ from sglang_harden_shimkit import wrap_methods_once
 from sglang_harden._importhook import when_imported
 
 _lock = threading.Lock()
-_owners: dict[int, tuple[str, str]] = {}  # slot -> (rid of the last owner at its release, row hash)
+# slot -> (rid of the last owner at its release, row hash, key of the owner's token ids up to that row)
+_owners: dict[int, tuple[str, str, int]] = {}
 _seen_decode: set[str] = set()
 _context_at_first_decode: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
 
@@ -99,14 +100,36 @@ def _full_len(req: Any) -> int:
     return _context_len(req) + len(getattr(req, "output_ids", None) or [])
 
 
+_PREFIX_MOD = (1 << 61) - 1
+
+
+def prefix_keys(token_ids: list[int], count: int) -> list[int]:
+    """Per position ``i < count``: a rolling hash of ``token_ids[: i + 1]`` (equal keys: same prefix, same KV)."""
+    keys, key = [], 0
+    for token in token_ids[:count]:
+        key = (key * 1_000_003 + int(token) + 1) % _PREFIX_MOD
+        keys.append(key)
+    return keys
+
+
+def _tokens(req: Any) -> list[int]:
+    return list(getattr(req, "origin_input_ids", None) or []) + list(getattr(req, "output_ids", None) or [])
+
+
 def _first_decode(scheduler: Any, req: Any) -> None:
     slots = _slots(scheduler, req, _context_len(req))
     hashes = _row_hashes(scheduler, slots)
+    mine = prefix_keys(_tokens(req), len(slots))
     matches: Counter[str] = Counter()
+    same_prefix = 0
     with _lock:
-        for slot, digest in zip(slots, hashes, strict=True):
+        for slot, digest, key in zip(slots, hashes, mine, strict=True):
             owner = _owners.get(slot)
-            if owner is not None and owner[0] != req.rid and owner[1] == digest:
+            if owner is None or owner[0] == req.rid or owner[1] != digest:
+                continue
+            if owner[2] == key:
+                same_prefix += 1
+            else:
                 matches[owner[0]] += 1
     with _lock:
         _context_at_first_decode[req.rid] = (slots, hashes)
@@ -119,15 +142,18 @@ def _first_decode(scheduler: Any, req: Any) -> None:
             "pages": _pages(scheduler, slots),
             "foreign_rows": dict(matches),
             "foreign_total": sum(matches.values()),
+            "same_prefix_rows": same_prefix,
         }
     )
 
 
 def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
     hashes = _row_hashes(scheduler, slots)
+    keys = prefix_keys(_tokens(req), len(slots))
+    keys += [-1] * (len(slots) - len(keys))
     with _lock:
-        for slot, digest in zip(slots, hashes, strict=True):
-            _owners[slot] = (req.rid, digest)
+        for slot, digest, key in zip(slots, hashes, keys, strict=True):
+            _owners[slot] = (req.rid, digest, key)
     with _lock:
         before = _context_at_first_decode.pop(req.rid, None)
     changed = None

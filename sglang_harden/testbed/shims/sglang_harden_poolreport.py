@@ -1,9 +1,10 @@
 """Pool occupancy on ``/get_server_info`` for testbed servers, vanilla ones included (test-only).
 
-Adds ``internal_states[i].testbed_pool`` = ``{"total", "available", "evictable"}`` (tokens) to the scheduler's
-internal-state answer, so that a test can see whether a node's KV allocator is back to full capacity once it is
-quiet. Read-only: it reads the allocator and the tree cache and changes nothing. Hooks
-``Scheduler.get_internal_state`` (present in every supported pin).
+Adds ``internal_states[i].testbed_pool`` = ``{"total", "available", "evictable", "duplicate_free_pages"}`` (tokens;
+the last counts page ids that sit in the allocator's free lists more than once: each is a double free) to the
+scheduler's internal-state answer, so that a test can see whether a node's KV allocator is back to full capacity
+once it is quiet, and whether anything was freed twice. Read-only: it reads the allocator and the tree cache and
+changes nothing. Hooks ``Scheduler.get_internal_state`` (present in every supported pin).
 """
 
 from __future__ import annotations
@@ -17,12 +18,31 @@ from sglang_harden_shimkit import wrap_methods_once
 from sglang_harden._importhook import when_imported
 
 
+def _free_page_ids(allocator: Any) -> list[int]:
+    """Every page id in the allocator's free lists: the free pages plus those released but not yet merged
+    (``release_pages`` up to 0.5.2x, ``staged_pages`` later)."""
+    ids: list[int] = []
+    parts = [getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None)]
+    parts += list(getattr(allocator, "staged_pages", None) or [])
+    for part in parts:
+        if part is not None and hasattr(part, "tolist"):
+            ids.extend(int(x) for x in part.tolist())
+    return ids
+
+
+def duplicate_free_pages(allocator: Any) -> int:
+    ids = _free_page_ids(allocator)
+    return len(ids) - len(set(ids))
+
+
 def pool_numbers(scheduler: Any) -> dict[str, int]:
     tree_cache = getattr(scheduler, "tree_cache", None)
+    allocator = scheduler.token_to_kv_pool_allocator
     return {
         "total": int(scheduler.max_total_num_tokens),
-        "available": int(scheduler.token_to_kv_pool_allocator.available_size()),
+        "available": int(allocator.available_size()),
         "evictable": int(tree_cache.evictable_size()) if tree_cache is not None else 0,
+        "duplicate_free_pages": duplicate_free_pages(allocator),
     }
 
 

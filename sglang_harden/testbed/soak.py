@@ -1,0 +1,660 @@
+"""Soak: drive a real PD topology with mixed, hostile traffic and judge it with oracles the guards do not own.
+
+One run = one topology (started here, or a running one described by ``sglang-harden testbed start``'s state file)
+and one load for ``duration_s``: ``concurrency`` client threads, each sending one request after another for one of
+``tenants`` tenants. A request is one of
+
+- ``normal``: the tenant's shared prefix (so prefill's radix cache hits) plus a random suffix; must answer 200
+  with every token it asked for;
+- ``oversized``: longer than prefill's KV pool but within the context (the incident); must be refused (4xx/503)
+  within ``refused_bound_s``; served with 200 is the incident;
+- ``disconnect``: a normal request whose client hangs up after a random delay (during prefill, transfer or
+  decode, depending on where it is by then);
+- caught in an ``/abort_request`` burst: every ``abort_burst_every_s`` up to ``abort_burst_size`` in-flight normal
+  requests are aborted on both servers;
+- ``late_write`` (``late_writes`` of them, evenly spread; requests paired directly only, since the room must be
+  known): prefill's engine call for its KV gives up after 1 s and reports failure while the bytes land
+  ``late_write_delay_s`` after the send started (test-only ``latewrite`` shim): a late RDMA write into pages
+  decode may already have handed to someone else. Its own answer is not judged (``faulted``).
+
+Oracles (none of them reads sglang-harden's ledger or page tags):
+
+- foreign reads, from the decode KV tracer shim (``sglang_harden_kvtrace``): context rows a request's first decode
+  step read that hold what another request with a different token prefix left there, plus context rows changed
+  under a request while it decoded (a late write);
+- double frees: page ids present more than once in an allocator's free lists (testbed pool reporter);
+- pages leaked at quiesce: each allocator not back to full capacity within ``quiesce_timeout_s`` of the end;
+- guard refusals and quarantine: the hardened servers' own counters, reported (not used as oracles).
+
+``compare`` runs the same load (same seed) on a vanilla and then a hardened topology and reports
+hardened/vanilla ratios of throughput and latency.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from sglang_harden.testbed.client import http_json
+from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, read_kvtrace
+from sglang_harden.testbed.profiles import get_profile
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDFleet, PDPair
+
+KINDS = ("normal", "oversized", "disconnect")
+LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
+LATE_ROOM_BASE = 881_000_000
+# SGLang's answer to a request whose KV transfer failed (a failed engine call fails its whole decode session on
+# Mooncake, so requests in flight beside an injected fault fail with it): an error, never someone else's KV
+TRANSFER_FAILED = re.compile(r"KVTransferError|Failed to get kvcache|could be dead|is not alive|transfer failed", re.I)
+REFUSED_STATUSES = range(400, 600)
+
+
+@dataclass(frozen=True)
+class SoakLoad:
+    duration_s: float = 60.0
+    concurrency: int = 8
+    tenants: int = 4
+    seed: int = 0
+    prefix_len: int = 64
+    suffix_len: tuple[int, int] = (16, 160)
+    new_tokens: tuple[int, int] = (4, 16)
+    oversized_share: float = 0.05
+    disconnect_share: float = 0.1
+    disconnect_after_s: tuple[float, float] = (0.05, 2.0)
+    abort_burst_every_s: float = 15.0
+    abort_burst_size: int = 3
+    refused_bound_s: float = 5.0
+    request_timeout_s: float = 120.0
+    quiesce_timeout_s: float = 60.0
+    late_writes: int = 0
+    late_write_delay_s: float = 8.0
+
+    def late_rooms(self) -> list[int]:
+        return [LATE_ROOM_BASE + i for i in range(self.late_writes)]
+
+    def late_write_env(self) -> dict[str, str]:
+        """Prefill env for the latewrite shim (empty without late writes)."""
+        if not self.late_writes:
+            return {}
+        rooms = ",".join(str(r) for r in self.late_rooms())
+        return {LATE_WRITE_ENV: f"{self.late_write_delay_s}:{rooms}:timeout=1.0"}
+
+
+@dataclass(frozen=True)
+class SoakTopology:
+    """Sizes chosen so an oversized prompt fits decode and the context but not prefill's pool (the incident)."""
+
+    pin: str
+    backend: str = "mooncake"
+    profile: str = "paged16"
+    context_length: int = 1024
+    prefill_max_total_tokens: int = 640
+    decode_max_total_tokens: int = 2048
+    oversized_len: tuple[int, int] = (700, 960)
+    router: bool = False
+    # more than one of either: a fleet behind sglang-router (the router is then always on)
+    prefills: int = 1
+    decodes: int = 1
+    # decode's wait for a transfer that never comes: lowered from SGLang's 300 s so a run ends in minutes
+    waiting_timeout_s: int = 20
+
+
+@dataclass
+class Outcome:
+    kind: str
+    rid: str
+    status: int
+    latency_s: float
+    ttft_s: float | None = None
+    tokens: int = 0
+    wanted_tokens: int = 0
+    aborted_by_burst: bool = False
+    error: str = ""
+    # a transfer fault was injected into this run (late writes): a failed transfer is then expected collateral
+    faults_injected: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.kind == "disconnect":
+            return "disconnected"
+        if self.kind == "late_write":
+            return "faulted"
+        if self.aborted_by_burst:
+            return "aborted"
+        if self.kind == "oversized":
+            if self.status == 200:
+                return "oversized_served"
+            if self.status in REFUSED_STATUSES:
+                return "refused"
+            return "oversized_unanswered"
+        if self.status == 200 and self.tokens == self.wanted_tokens:
+            return "ok"
+        if self.faults_injected and self.status >= 400 and TRANSFER_FAILED.search(self.error):
+            return "transfer_failed"
+        return "failed"
+
+
+# ------------------------------------------------------------------------------------------ request driving
+
+
+class Target:
+    """Where requests go: a prefill and a decode URL (requests paired directly) or a router URL; ``nodes`` names
+    every server (``prefill``/``decode``, or ``prefill0``, ``decode1``, ... in a fleet) for polling and aborts."""
+
+    def __init__(self, nodes: dict[str, str], bootstrap_port: int, router_url: str | None = None):
+        self.nodes, self.bootstrap_port, self.router_url = dict(nodes), bootstrap_port, router_url
+        self.prefill_url = next(url for name, url in self.nodes.items() if name.startswith("prefill"))
+        self.decode_url = next(url for name, url in self.nodes.items() if name.startswith("decode"))
+
+    @classmethod
+    def of_pair(cls, pair: PDPair) -> Target:
+        assert pair.prefill.bootstrap_port is not None
+        router = pair.router.url if pair.router is not None else None
+        return cls({"prefill": pair.prefill.url, "decode": pair.decode.url}, pair.prefill.bootstrap_port, router)
+
+    @classmethod
+    def of_fleet(cls, fleet: PDFleet) -> Target:
+        nodes = {f"prefill{i}": s.url for i, s in enumerate(fleet.prefills)}
+        nodes.update({f"decode{i}": s.url for i, s in enumerate(fleet.decodes)})
+        return cls(nodes, int(fleet.prefills[0].bootstrap_port or 0), fleet.router.url)
+
+    @classmethod
+    def of_state(cls, state: dict[str, Any]) -> Target:
+        router = (state.get("router") or {}).get("url")
+        nodes = {"prefill": state["prefill"]["url"], "decode": state["decode"]["url"]}
+        return cls(nodes, int(state["prefill"]["bootstrap_port"]), router)
+
+    def abort(self, rid: str) -> None:
+        for url in self.nodes.values():
+            try:
+                http_json("POST", url + "/abort_request", {"rid": rid}, timeout=10.0)
+            except OSError:
+                pass
+
+
+def _stream(url: str, body: dict[str, Any], timeout: float) -> tuple[int, float | None, dict[str, Any], str]:
+    """POST a streaming /generate; (status, time to first chunk, last chunk's meta_info, error text)."""
+    start = time.monotonic()
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(url + "/generate", data=data, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    ttft, meta = None, {}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    return _status_of(chunk), ttft, meta, str(chunk["error"])[:200]
+                ttft = time.monotonic() - start if ttft is None else ttft
+                meta = chunk.get("meta_info") or meta
+        return _finish_status(meta), ttft, meta, _finish_message(meta)
+    except urllib.error.HTTPError as exc:
+        return exc.code, ttft, meta, exc.read()[:200].decode(errors="replace")
+    except (TimeoutError, urllib.error.URLError, ConnectionError, OSError, ValueError) as exc:
+        return -1, ttft, meta, repr(exc)[:200]
+
+
+def _status_of(chunk: dict[str, Any]) -> int:
+    err = chunk.get("error")
+    code = err.get("code") if isinstance(err, dict) else None
+    return int(code) if isinstance(code, int) else 500
+
+
+def _finish_status(meta: dict[str, Any]) -> int:
+    finish = meta.get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return int(finish.get("status_code") or 500)
+    return 200
+
+
+def _finish_message(meta: dict[str, Any]) -> str:
+    finish = meta.get("finish_reason") or {}
+    return str(finish.get("message") or "")[:200] if isinstance(finish, dict) else ""
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> int:
+    try:
+        status, _ = http_json("POST", url + "/generate", body, timeout=timeout)
+        return status
+    except (TimeoutError, urllib.error.URLError, ConnectionError, OSError):
+        return -1
+
+
+def send(target: Target, body: dict[str, Any], timeout: float, room: int | None = None
+         ) -> tuple[int, float | None, int, str]:
+    """One request (paired directly, or through the router); the decode side streams. Returns (status, ttft,
+    generated tokens, error). Status is the worse of the two halves when paired directly."""
+    if target.router_url is not None:
+        status, ttft, meta, err = _stream(target.router_url, body, timeout)
+        return status, ttft, int(meta.get("completion_tokens") or 0), err
+    room = random.randrange(2**62) if room is None else room
+    paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": target.bootstrap_port, "bootstrap_room": room}
+    box: dict[str, int] = {}
+    side = threading.Thread(target=lambda: box.update(p=_post(target.prefill_url, paired, timeout)))
+    side.start()
+    status, ttft, meta, err = _stream(target.decode_url, paired, timeout)
+    side.join()
+    prefill = box.get("p", -1)
+    if status == 200 and prefill != 200:
+        status, err = prefill, err or f"prefill answered {prefill}"
+    return status, ttft, int(meta.get("completion_tokens") or 0), err
+
+
+# ------------------------------------------------------------------------------------------ the load
+
+
+def tenant_prefix(tenant: int, length: int) -> list[int]:
+    rng = random.Random(10_000 + tenant)
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def make_request(rng: random.Random, load: SoakLoad, topo: SoakTopology, index: int, worker: int) -> tuple[str, dict]:
+    """Pick a kind and build its body (greedy, ignore_eos so the token count is known)."""
+    roll = rng.random()
+    kind = "oversized" if roll < load.oversized_share else (
+        "disconnect" if roll < load.oversized_share + load.disconnect_share else "normal")
+    tenant = rng.randrange(load.tenants)
+    if kind == "oversized":
+        ids = [rng.randrange(3, 500) for _ in range(rng.randint(*topo.oversized_len))]
+    else:
+        suffix = [rng.randrange(3, 500) for _ in range(rng.randint(*load.suffix_len))]
+        ids = tenant_prefix(tenant, load.prefix_len) + suffix
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": rng.randint(*load.new_tokens), "ignore_eos": True},
+        "rid": f"soak-{kind[0]}-w{worker}-{index}",
+    }
+    return kind, body
+
+
+class LoadRun:
+    """The client threads, the abort-burst thread and the pool poller of one run."""
+
+    def __init__(self, target: Target, load: SoakLoad, topo: SoakTopology, progress: Callable[[str], None] | None):
+        self.target, self.load, self.topo, self.progress = target, load, topo, progress
+        self.outcomes: list[Outcome] = []
+        self.in_flight: dict[str, str] = {}  # rid -> kind
+        self.burst_aborted: set[str] = set()
+        self.samples: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.stop_at = 0.0
+
+    def run(self) -> float:
+        start = time.monotonic()
+        self.stop_at = start + self.load.duration_s
+        threads = [threading.Thread(target=self._client, args=(w,), daemon=True) for w in range(self.load.concurrency)]
+        threads.append(threading.Thread(target=self._late_writes, daemon=True))
+        threads.append(threading.Thread(target=self._bursts, daemon=True))
+        for thread in threads:
+            thread.start()
+        while any(t.is_alive() for t in threads[:-1]):  # the burst thread ends at stop time
+            self._sample()
+            self._say(start)
+            time.sleep(1.0)
+        for thread in threads:
+            thread.join(timeout=1.0)
+        return time.monotonic() - start
+
+    def _client(self, worker: int) -> None:
+        rng = random.Random(self.load.seed * 1000 + worker)
+        index = 0
+        while time.monotonic() < self.stop_at:
+            kind, body = make_request(rng, self.load, self.topo, index, worker)
+            index += 1
+            hang_up = kind == "disconnect"
+            timeout = rng.uniform(*self.load.disconnect_after_s) if hang_up else self.load.request_timeout_s
+            with self.lock:
+                self.in_flight[body["rid"]] = kind
+            t0 = time.monotonic()
+            status, ttft, tokens, err = send(self.target, body, timeout)
+            outcome = Outcome(kind, body["rid"], status, time.monotonic() - t0, ttft, tokens,
+                              body["sampling_params"]["max_new_tokens"], error=err,
+                              faults_injected=self.load.late_writes > 0)
+            with self.lock:
+                self.in_flight.pop(body["rid"], None)
+                outcome.aborted_by_burst = body["rid"] in self.burst_aborted
+                self.outcomes.append(outcome)
+
+    def _late_writes(self) -> None:
+        """One late-write request every ``duration / (late_writes + 1)`` seconds, each on its own listed room."""
+        rng = random.Random(self.load.seed + 11)
+        rooms = self.load.late_rooms()
+        gap = self.load.duration_s / (len(rooms) + 1)
+        for index, room in enumerate(rooms):
+            if not _sleep_until(self.stop_at - self.load.duration_s + gap * (index + 1), self.stop_at):
+                return
+            _, body = make_request(rng, replace(self.load, oversized_share=0.0, disconnect_share=0.0), self.topo,
+                                   index, -1)
+            body["rid"] = f"soak-late-{index}"
+            t0 = time.monotonic()
+            status, ttft, tokens, err = send(self.target, body, self.load.request_timeout_s, room=room)
+            outcome = Outcome("late_write", body["rid"], status, time.monotonic() - t0, ttft, tokens,
+                              body["sampling_params"]["max_new_tokens"], error=err)
+            with self.lock:
+                self.outcomes.append(outcome)
+
+    def _bursts(self) -> None:
+        rng = random.Random(self.load.seed + 7)
+        while self.load.abort_burst_every_s > 0:
+            if not _sleep_until(min(time.monotonic() + self.load.abort_burst_every_s, self.stop_at), self.stop_at):
+                return
+            with self.lock:
+                normal = sorted(rid for rid, kind in self.in_flight.items() if kind == "normal")
+                victims = rng.sample(normal, min(len(normal), self.load.abort_burst_size))
+                self.burst_aborted.update(victims)
+            for rid in victims:
+                self.target.abort(rid)
+
+    def _sample(self) -> None:
+        sample: dict[str, Any] = {"t": time.monotonic()}
+        for name, url in self.target.nodes.items():
+            sample[name] = pool_of(url)
+        self.samples.append(sample)
+
+    def _say(self, start: float) -> None:
+        if self.progress is None:
+            return
+        with self.lock:
+            counts = Counter(o.verdict for o in self.outcomes)
+        done = min(time.monotonic() - start, self.load.duration_s)
+        width = 24
+        bar = "#" * int(width * done / self.load.duration_s)
+        counts_text = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        self.progress(f"[{bar:<{width}}] {done:4.0f}/{self.load.duration_s:.0f} s  {counts_text}")
+
+
+def _sleep_until(when: float, stop_at: float) -> bool:
+    while time.monotonic() < when:
+        if time.monotonic() >= stop_at:
+            return False
+        time.sleep(0.2)
+    return time.monotonic() < stop_at
+
+
+def pool_of(url: str) -> dict[str, Any]:
+    """The first scheduler's testbed pool numbers and sglang-harden report (empty dict when unreachable)."""
+    try:
+        status, body = http_json("GET", url + "/server_info", timeout=10.0)
+    except OSError:
+        return {}
+    if status != 200 or not isinstance(body, dict):
+        return {}
+    state = (body.get("internal_states") or [{}])[0] or {}
+    harden = state.get("sglang_harden") if isinstance(state.get("sglang_harden"), dict) else {}
+    return {"pool": state.get("testbed_pool") or {}, "lifecycle": harden.get("lifecycle") or {},
+            "decisions": dict(harden.get("decisions") or {})}
+
+
+# ------------------------------------------------------------------------------------------ judging
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return round(ordered[pos], 3)
+
+
+def foreign_reads(trace: list[dict[str, Any]]) -> dict[str, Any]:
+    """Foreign rows read at first decode plus context rows changed while decoding, per the KV tracer."""
+    first = [e for e in trace if e.get("event") == "first_decode"]
+    released = [e for e in trace if e.get("event") == "release"]
+    at_first = {e["rid"]: int(e.get("foreign_total") or 0) for e in first if int(e.get("foreign_total") or 0)}
+    changed = {e["rid"]: int(e["context_rows_changed"]) for e in released if e.get("context_rows_changed")}
+    return {
+        "requests": len(set(at_first) | set(changed)),
+        "rows": sum(at_first.values()) + sum(changed.values()),
+        "examples": sorted(set(at_first) | set(changed))[:5],
+        "traced_first_decodes": len(first),
+        "tracer_errors": sum(1 for e in trace if e.get("event") == "error"),
+    }
+
+
+def decision_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}
+    return {k: v for k, v in sorted(delta.items()) if v}
+
+
+def quiesce(target: Target, timeout: float) -> dict[str, dict[str, Any]]:
+    """Poll both servers until their allocators are full again (or ``timeout``); leaked tokens and double frees."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {name: pool_of(url) for name, url in target.nodes.items()}
+        leaks = {role: _leaked(numbers.get("pool") or {}) for role, numbers in now.items()}
+        if all(v == 0 for v in leaks.values()) or time.monotonic() > deadline:
+            return {role: {"leaked_tokens": leaks[role],
+                           "double_frees": int((now[role].get("pool") or {}).get("duplicate_free_pages") or 0),
+                           "quarantined_pages": int((now[role].get("lifecycle") or {}).get("quarantined_pages") or 0),
+                           "pool": now[role].get("pool")}
+                    for role in now}
+        time.sleep(1.0)
+
+
+def _leaked(pool: dict[str, Any]) -> int | None:
+    if "total" not in pool:
+        return None
+    return max(0, int(pool["total"]) - int(pool["available"]) - int(pool["evictable"]))
+
+
+def summarize(outcomes: list[Outcome], samples: list[dict[str, Any]], wall_s: float, load: SoakLoad,
+              decode_pool_tokens: int, page_size: int) -> dict[str, Any]:
+    verdicts = Counter(o.verdict for o in outcomes)
+    ok = [o for o in outcomes if o.verdict == "ok"]
+    refused = [o for o in outcomes if o.verdict == "refused"]
+    quarantine = [max((int((numbers.get("lifecycle") or {}).get("quarantined_pages") or 0)
+                       for name, numbers in sample.items() if name.startswith("decode")), default=0)
+                  for sample in samples]
+    decode_pages = max(1, decode_pool_tokens // max(1, page_size))
+    return {
+        "requests": len(outcomes),
+        "by_outcome": dict(sorted(verdicts.items())),
+        "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
+        "refused_max_s": max((o.latency_s for o in refused), default=None),
+        "refused_over_bound": sum(1 for o in refused if o.latency_s > load.refused_bound_s),
+        "failed_examples": [asdict(o) for o in outcomes if o.verdict in ("failed", "oversized_unanswered")][:5],
+        "throughput_tokens_per_s": round(sum(o.tokens for o in ok) / wall_s, 2) if wall_s else None,
+        "throughput_requests_per_s": round(len(ok) / wall_s, 3) if wall_s else None,
+        "latency_p50_s": percentile([o.latency_s for o in ok], 50),
+        "latency_p99_s": percentile([o.latency_s for o in ok], 99),
+        "ttft_p50_s": percentile([o.ttft_s for o in ok if o.ttft_s is not None], 50),
+        "ttft_p99_s": percentile([o.ttft_s for o in ok if o.ttft_s is not None], 99),
+        "quarantine_max_pages": max(quarantine, default=0),
+        "quarantine_max_share": round(max(quarantine, default=0) / decode_pages, 4),
+    }
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+@dataclass
+class SoakReport:
+    variant: str
+    topology: dict[str, Any]
+    load: dict[str, Any]
+    wall_s: float
+    summary: dict[str, Any]
+    foreign_reads: dict[str, Any] | None
+    quiesce: dict[str, Any]
+    refusals_by_guard: dict[str, dict[str, int]] = field(default_factory=dict)
+    log_dir: str = ""
+
+    def violations(self) -> list[str]:
+        """What a hardened run must never show (empty: the run held every promise the soak checks)."""
+        out = []
+        if self.foreign_reads is None:
+            out.append("no KV tracer: foreign reads not judged")
+        elif self.foreign_reads["rows"] or self.foreign_reads["tracer_errors"]:
+            out.append(f"foreign reads: {self.foreign_reads}")
+        by = self.summary["by_outcome"]
+        for bad in ("oversized_served", "failed", "oversized_unanswered"):
+            if by.get(bad):
+                out.append(f"{by[bad]} request(s) {bad}")
+        if self.summary["refused_over_bound"]:
+            out.append(f"{self.summary['refused_over_bound']} refusal(s) slower than the bound")
+        for role, q in self.quiesce.items():
+            if q["leaked_tokens"]:
+                out.append(f"{role}: {q['leaked_tokens']} token(s) of KV not back at quiesce")
+            if q["double_frees"]:
+                out.append(f"{role}: {q['double_frees']} page(s) freed twice")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "violations": self.violations()}
+
+
+def start_topology(topo: SoakTopology, load: SoakLoad, hardened: bool, log_dir: Path, progress: bool
+                   ) -> PDPair | PDFleet:
+    env = {WAITING_TIMEOUT_ENV: str(topo.waiting_timeout_s)}
+    if hardened:  # the pools are deliberately smaller than the context (the incident): the gate only logs
+        env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
+    if load.late_writes:
+        if topo.router or topo.prefills > 1 or topo.decodes > 1:
+            raise ValueError("late writes need requests paired directly (their room must be known): no router")
+        env.update({**load.late_write_env(), KVTRACE_ENV: str(log_dir / "kvtrace")})
+        if hardened:  # the sender's bound on a timed-out write's lifetime must cover the injected delay
+            env["SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"] = str(int(load.late_write_delay_s + 3))
+    if topo.prefills > 1 or topo.decodes > 1:
+        fleet = PDFleet(
+            topo.pin,
+            prefills=topo.prefills,
+            decodes=topo.decodes,
+            prefill_max_total_tokens=topo.prefill_max_total_tokens,
+            decode_max_total_tokens=topo.decode_max_total_tokens,
+            context_length=topo.context_length,
+            transfer_backend=topo.backend,
+            profile=get_profile(topo.profile),
+            env=env,
+            decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")},
+            launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
+            log_dir=log_dir,
+            progress=progress,
+        )
+        return fleet.start()
+    pair = PDPair(
+        topo.pin,
+        prefill_max_total_tokens=topo.prefill_max_total_tokens,
+        decode_max_total_tokens=topo.decode_max_total_tokens,
+        context_length=topo.context_length,
+        transfer_backend=topo.backend,
+        profile=get_profile(topo.profile),
+        env=env,
+        decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")},
+        launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
+        router=topo.router,
+        log_dir=log_dir,
+        progress=progress,
+    )
+    return pair.start()
+
+
+def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtrace_dir: Path | None,
+          progress: Callable[[str], None] | None = None, log_dir: str = "") -> SoakReport:
+    """Run the load against ``target`` and judge it."""
+    before = {name: pool_of(url).get("decisions", {}) for name, url in target.nodes.items()}
+    run = LoadRun(target, load, topo, progress)
+    wall = run.run()
+    settled = quiesce(target, load.quiesce_timeout_s)
+    after = {name: pool_of(url).get("decisions", {}) for name, url in target.nodes.items()}
+    refusals = {role: {k: v for k, v in decision_delta(before[role], after[role]).items() if not k.endswith(":allow")}
+                for role in before}
+    first_decode = next(name for name in settled if name.startswith("decode"))
+    decode_total = int((settled[first_decode].get("pool") or {}).get("total") or topo.decode_max_total_tokens)
+    summary = summarize(run.outcomes, run.samples, wall, load, decode_total, get_profile(topo.profile).page_size)
+    trace = foreign_reads(read_kvtrace(kvtrace_dir)) if kvtrace_dir is not None else None
+    return SoakReport(variant, asdict(topo), asdict(load), round(wall, 1), summary, trace, settled, refusals, log_dir)
+
+
+def run_variant(topo: SoakTopology, load: SoakLoad, hardened: bool, log_root: Path,
+                progress: Callable[[str], None] | None = None) -> SoakReport:
+    variant = "hardened" if hardened else "vanilla"
+    log_dir = log_root / f"{topo.pin}-{topo.backend}-{variant}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = start_topology(topo, load, hardened, log_dir, progress is not None)
+    target = Target.of_fleet(started) if isinstance(started, PDFleet) else Target.of_pair(started)
+    try:
+        return drive(target, load, topo, variant, log_dir / "kvtrace", progress, str(log_dir))
+    finally:
+        started.stop()
+
+
+def compare(vanilla: SoakReport, hardened: SoakReport) -> dict[str, float | None]:
+    """hardened/vanilla ratios under the same load (throughput: higher is better; latency: lower is better)."""
+
+    def ratio(key: str) -> float | None:
+        v, h = vanilla.summary.get(key), hardened.summary.get(key)
+        return round(h / v, 3) if v and h is not None else None
+
+    keys = ("throughput_tokens_per_s", "throughput_requests_per_s", "latency_p50_s", "latency_p99_s",
+            "ttft_p50_s", "ttft_p99_s")
+    return {key: ratio(key) for key in keys}
+
+
+def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) -> str:
+    rows = [
+        ("requests", lambda r: r.summary["requests"]),
+        ("outcomes", lambda r: " ".join(f"{k}={v}" for k, v in r.summary["by_outcome"].items())),
+        ("foreign reads (rows / requests)",
+         lambda r: "not traced" if r.foreign_reads is None else
+         f"{r.foreign_reads['rows']} / {r.foreign_reads['requests']}"),
+        ("refusals by guard", lambda r: " ".join(f"{node}:{k}={v}" for node, d in r.refusals_by_guard.items()
+                                                 for k, v in d.items()) or "-"),
+        ("max time to refuse (s)", lambda r: _fmt(r.summary["refused_max_s"])),
+        ("quarantine max (pages, share)",
+         lambda r: f"{r.summary['quarantine_max_pages']} ({r.summary['quarantine_max_share']:.2%})"),
+        ("leaked at quiesce (tokens p/d)", lambda r: _per_role(r.quiesce, "leaked_tokens")),
+        ("double frees (p/d)", lambda r: _per_role(r.quiesce, "double_frees")),
+        ("throughput (tok/s)", lambda r: _fmt(r.summary["throughput_tokens_per_s"])),
+        ("latency p50/p99 (s)", lambda r: f"{_fmt(r.summary['latency_p50_s'])}/{_fmt(r.summary['latency_p99_s'])}"),
+        ("TTFT p50/p99 (s)", lambda r: f"{_fmt(r.summary['ttft_p50_s'])}/{_fmt(r.summary['ttft_p99_s'])}"),
+        ("violations", lambda r: len(r.violations())),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'':<{width}}  " + "  ".join(f"{r.variant:<28}" for r in reports)]
+    for name, get in rows:
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{str(get(r)):<28}" for r in reports))
+    if ratios:
+        lines.append("hardened/vanilla: " + ", ".join(f"{k} {_fmt(v)}" for k, v in ratios.items()))
+    for report in reports:
+        for violation in report.violations():
+            lines.append(f"{report.variant}: {violation}")
+    return "\n".join(lines)
+
+
+def _per_role(per_node: dict[str, dict[str, Any]], key: str) -> str:
+    """``<prefill total>/<decode total>`` of ``key`` over every node of each role."""
+    totals = [sum(int(numbers.get(key) or 0) for name, numbers in per_node.items() if name.startswith(role))
+              for role in ("prefill", "decode")]
+    return f"{totals[0]}/{totals[1]}"
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def progress_line(prefix: str, every_s: float = 10.0) -> Callable[[str], None]:
+    """A progress bar on a terminal (redrawn in place); one line per ``every_s`` seconds in a log."""
+    last = [0.0]
+
+    def say(msg: str) -> None:
+        if sys.stderr.isatty():
+            print(f"\r[soak {prefix}] {msg}", file=sys.stderr, end="", flush=True)
+        elif time.monotonic() - last[0] >= every_s:
+            last[0] = time.monotonic()
+            print(f"[soak {prefix}] {msg}", file=sys.stderr, flush=True)
+
+    return say

@@ -1,0 +1,189 @@
+"""The soak's judging, without servers: verdicts, oracles over tracer events, quiesce numbers, ratios, CLI input."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_harden.testbed import soak
+from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.tools import soak as soak_tool
+
+LOAD = soak.SoakLoad(duration_s=10.0)
+TOPO = soak.SoakTopology(pin="0.5.19")
+
+
+def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, wanted: int = 4) -> soak.Outcome:
+    return soak.Outcome(kind, f"r-{kind}-{status}", status, latency, 0.1, tokens, wanted)
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "tokens", "verdict"),
+    [
+        ("normal", 200, 4, "ok"),
+        ("normal", 200, 3, "failed"),  # a short answer is not a success
+        ("normal", 503, 0, "failed"),
+        ("oversized", 200, 4, "oversized_served"),
+        ("oversized", 400, 0, "refused"),
+        ("oversized", 503, 0, "refused"),
+        ("oversized", -1, 0, "oversized_unanswered"),
+        ("disconnect", -1, 0, "disconnected"),
+    ],
+)
+def test_verdicts(kind: str, status: int, tokens: int, verdict: str) -> None:
+    assert _outcome(kind, status, tokens=tokens).verdict == verdict
+
+
+def test_failed_transfer_is_collateral_only_when_a_fault_was_injected() -> None:
+    message = "KVTransferError(bootstrap_room=7): Failed to get kvcache from prefill instance, it might be dead"
+    hit = soak.Outcome("normal", "r", 500, 1.0, None, 0, 4, error=message, faults_injected=True)
+    assert hit.verdict == "transfer_failed"
+    assert soak.Outcome("normal", "r", 500, 1.0, None, 0, 4, error=message).verdict == "failed"
+    other = soak.Outcome("normal", "r", 500, 1.0, None, 0, 4, error="boom", faults_injected=True)
+    assert other.verdict == "failed"
+
+
+def test_burst_aborted_request_is_not_judged_as_failed() -> None:
+    outcome = _outcome("normal", 500, tokens=0)
+    outcome.aborted_by_burst = True
+    assert outcome.verdict == "aborted"
+
+
+def test_foreign_reads_counts_first_decode_rows_and_rows_changed_while_decoding() -> None:
+    trace = [
+        {"event": "first_decode", "rid": "a", "foreign_total": 0, "same_prefix_rows": 30},
+        {"event": "first_decode", "rid": "b", "foreign_total": 12},
+        {"event": "release", "rid": "a", "context_rows_changed": 0},
+        {"event": "release", "rid": "c", "context_rows_changed": 5},
+        {"event": "release", "rid": "d", "context_rows_changed": None},
+    ]
+    got = soak.foreign_reads(trace)
+    assert got["rows"] == 17 and got["requests"] == 2 and got["examples"] == ["b", "c"]
+    assert got["traced_first_decodes"] == 2 and got["tracer_errors"] == 0
+    assert soak.foreign_reads([{"event": "error", "where": "x"}])["tracer_errors"] == 1
+
+
+def test_summary_rates_latencies_refusal_bound_and_quarantine_share() -> None:
+    outcomes = [_outcome("normal", 200, latency=x) for x in (1.0, 2.0, 3.0, 4.0)]
+    outcomes += [_outcome("oversized", 400, latency=0.3), _outcome("oversized", 400, latency=6.0)]
+    samples = [{"decode": {"lifecycle": {"quarantined_pages": q}}} for q in (0, 3, 1)]
+    got = soak.summarize(outcomes, samples, 10.0, LOAD, decode_pool_tokens=1600, page_size=16)
+    assert got["by_outcome"] == {"ok": 4, "refused": 2}
+    assert got["throughput_tokens_per_s"] == 1.6 and got["throughput_requests_per_s"] == 0.4
+    assert got["latency_p50_s"] in (2.0, 3.0) and got["latency_p99_s"] == 4.0
+    assert got["refused_max_s"] == 6.0 and got["refused_over_bound"] == 1
+    assert got["quarantine_max_pages"] == 3 and got["quarantine_max_share"] == 0.03
+
+
+def _report(**changes: object) -> soak.SoakReport:
+    summary = soak.summarize([_outcome("normal", 200)], [], 1.0, LOAD, 1600, 16)
+    clean = {"leaked_tokens": 0, "double_frees": 0, "quarantined_pages": 0, "pool": {}}
+    fields: dict[str, object] = dict(
+        variant="hardened", topology={}, load={}, wall_s=1.0, summary=summary,
+        foreign_reads={"rows": 0, "requests": 0, "tracer_errors": 0},
+        quiesce={"prefill": dict(clean), "decode": dict(clean)},
+    )
+    fields.update(changes)
+    return soak.SoakReport(**fields)  # type: ignore[arg-type]
+
+
+def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
+    assert _report().violations() == []
+    assert _report(foreign_reads=None).violations() == ["no KV tracer: foreign reads not judged"]
+    assert _report(foreign_reads={"rows": 3, "requests": 1, "tracer_errors": 0}).violations()
+    assert _report(foreign_reads={"rows": 0, "requests": 0, "tracer_errors": 1}).violations()
+    leaked = {"leaked_tokens": 32, "double_frees": 0, "quarantined_pages": 2, "pool": {}}
+    assert "decode: 32 token(s)" in _report(quiesce={"prefill": leaked | {"leaked_tokens": 0}, "decode": leaked}
+                                            ).violations()[0]
+    doubled = {"leaked_tokens": 0, "double_frees": 1, "quarantined_pages": 0, "pool": {}}
+    assert "freed twice" in _report(quiesce={"prefill": doubled, "decode": doubled}).violations()[0]
+    served = soak.summarize([_outcome("oversized", 200)], [], 1.0, LOAD, 1600, 16)
+    assert _report(summary=served).violations() == ["1 request(s) oversized_served"]
+
+
+def test_leak_of_a_pool_report_and_unreachable_pool() -> None:
+    assert soak._leaked({"total": 100, "available": 60, "evictable": 32}) == 8
+    assert soak._leaked({"total": 100, "available": 80, "evictable": 32}) == 0
+    assert soak._leaked({}) is None
+
+
+def test_compare_ratios() -> None:
+    vanilla = _report(variant="vanilla")
+    hardened = _report(summary={**vanilla.summary, "throughput_tokens_per_s": vanilla.summary[
+        "throughput_tokens_per_s"] * 0.5})
+    ratios = soak.compare(vanilla, hardened)
+    assert ratios["throughput_tokens_per_s"] == 0.5 and ratios["latency_p50_s"] == 1.0
+    assert "hardened/vanilla" in soak.render([vanilla, hardened], ratios)
+
+
+def test_load_mix_and_shared_prefixes() -> None:
+    rng = random.Random(0)
+    made = [soak.make_request(rng, LOAD, TOPO, i, 0) for i in range(2000)]
+    kinds = {k: sum(1 for kind, _ in made if kind == k) for k in soak.KINDS}
+    assert 50 <= kinds["oversized"] <= 150 and 120 <= kinds["disconnect"] <= 280
+    for kind, body in made:
+        n = len(body["input_ids"])
+        if kind == "oversized":
+            assert TOPO.prefill_max_total_tokens < n <= TOPO.context_length
+        else:
+            assert n + body["sampling_params"]["max_new_tokens"] < TOPO.prefill_max_total_tokens
+            assert any(body["input_ids"][: LOAD.prefix_len] == soak.tenant_prefix(t, LOAD.prefix_len)
+                       for t in range(LOAD.tenants))
+    assert len({body["rid"] for _, body in made}) == len(made)
+
+
+def test_late_write_env_names_each_room_once_and_gives_up_the_engine_call() -> None:
+    load = soak.SoakLoad(late_writes=3, late_write_delay_s=6.0)
+    env = load.late_write_env()[soak.LATE_WRITE_ENV]
+    delay, rooms, timeout = env.split(":")
+    assert float(delay) == 6.0 and timeout == "timeout=1.0"
+    assert [int(r) for r in rooms.split(",")] == load.late_rooms() and len(set(load.late_rooms())) == 3
+    assert soak.SoakLoad().late_write_env() == {}
+    assert _outcome("late_write", 500).verdict == "faulted"
+
+
+def test_abort_finish_reason_is_not_a_200() -> None:
+    assert soak._finish_status({"finish_reason": {"type": "length"}}) == 200
+    assert soak._finish_status({"finish_reason": {"type": "abort", "status_code": 503}}) == 503
+    assert soak._finish_status({"finish_reason": {"type": "abort"}}) == 500
+
+
+def _args(**changes: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    soak_tool.add_arguments(parser)
+    args = parser.parse_args(["--pin", "0.5.19"])
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"duration": 0}, "must be positive"),
+        ({"decodes": 0}, "must be positive"),
+        ({"late_writes": 2, "router": True}, "--late-writes needs requests paired directly"),
+        ({"oversized_share": 0.8, "disconnect_share": 0.5}, "add up to at most 1"),
+        ({"pin": None}, "give --pin"),
+        ({"state": Path("/nonexistent/pair.json")}, "no state file"),
+    ],
+)
+def test_bad_input_is_a_clear_error(changes: dict[str, object], message: str, capsys: pytest.CaptureFixture[str]
+                                    ) -> None:
+    assert soak_tool.run(_args(**changes)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tracer_prefix_keys_tell_shared_prefixes_from_different_ones() -> None:
+    sys.path.insert(0, str(SHIMS_DIR))
+    try:
+        from sglang_harden_kvtrace import prefix_keys
+    finally:
+        sys.path.remove(str(SHIMS_DIR))
+    a, b = prefix_keys([5, 6, 7, 8], 4), prefix_keys([5, 6, 9, 8], 4)
+    assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]  # same token later, different prefix: different key
+    assert prefix_keys([5, 6, 7], 2) == a[:2]
