@@ -179,6 +179,7 @@ def front_door_round(pair: PDPair, setup: IncidentSetup, tag: str = "") -> dict[
     result = pair.generate(decode_body, prefill_body=prefill_body, timeout=setup.waiting_timeout_s + 120)
     return {
         "rid": rid,
+        "room": result.room,
         "prefill": result.prefill.summary(),
         "prefill_error": None if result.prefill.ok else result.prefill.error_message(),
         "decode_status": result.decode.status,

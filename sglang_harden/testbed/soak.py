@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_harden.testbed.client import http_json
+from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, read_kvtrace
 from sglang_harden.testbed.profiles import get_profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDFleet, PDPair
@@ -411,10 +412,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def foreign_reads(trace: list[dict[str, Any]]) -> dict[str, Any]:
-    """Foreign rows read at first decode plus context rows changed while decoding, per the KV tracer."""
+    """Foreign rows read at first decode (left by a request with another prefix, or written after the commit)
+    plus context rows changed while decoding, per the KV tracer."""
     first = [e for e in trace if e.get("event") == "first_decode"]
     released = [e for e in trace if e.get("event") == "release"]
-    at_first = {e["rid"]: int(e.get("foreign_total") or 0) for e in first if int(e.get("foreign_total") or 0)}
+    at_first = {e["rid"]: int(e.get("foreign_total") or 0) + int(e.get("rows_changed_since_commit") or 0)
+                for e in first if int(e.get("foreign_total") or 0) + int(e.get("rows_changed_since_commit") or 0)}
     changed = {e["rid"]: int(e["context_rows_changed"]) for e in released if e.get("context_rows_changed")}
     return {
         "requests": len(set(at_first) | set(changed)),
@@ -492,6 +495,8 @@ class SoakReport:
     quiesce: dict[str, Any]
     refusals_by_guard: dict[str, dict[str, int]] = field(default_factory=dict)
     log_dir: str = ""
+    # prefill refused or aborted a room -> decode acted on the notice: seconds, from the servers' decision lines
+    notify_latency: dict[str, Any] = field(default_factory=dict)
 
     def violations(self) -> list[str]:
         """What a hardened run must never show (empty: the run held every promise the soak checks)."""
@@ -576,7 +581,16 @@ def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtr
     decode_total = int((settled[first_decode].get("pool") or {}).get("total") or topo.decode_max_total_tokens)
     summary = summarize(run.outcomes, run.samples, wall, load, decode_total, get_profile(topo.profile).page_size)
     trace = foreign_reads(read_kvtrace(kvtrace_dir)) if kvtrace_dir is not None else None
-    return SoakReport(variant, asdict(topo), asdict(load), round(wall, 1), summary, trace, settled, refusals, log_dir)
+    return SoakReport(variant, asdict(topo), asdict(load), round(wall, 1), summary, trace, settled, refusals, log_dir,
+                      notify_summary(Path(log_dir)) if log_dir else {})
+
+
+def notify_summary(log_dir: Path) -> dict[str, Any]:
+    """How fast decode heard of prefill's refusals and aborts in this run (from the servers' logs)."""
+    prefill = [p.read_text(errors="replace") for p in sorted(log_dir.glob("prefill*.log"))]
+    decode = [p.read_text(errors="replace") for p in sorted(log_dir.glob("decode*.log"))]
+    gaps = list(notify_latencies(prefill, decode).values())
+    return {"rooms": len(gaps), "p50_s": percentile(gaps, 50), "max_s": max(gaps, default=None)}
 
 
 def run_variant(topo: SoakTopology, load: SoakLoad, hardened: bool, log_root: Path,
@@ -614,6 +628,8 @@ def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) ->
         ("refusals by guard", lambda r: " ".join(f"{node}:{k}={v}" for node, d in r.refusals_by_guard.items()
                                                  for k, v in d.items()) or "-"),
         ("max time to refuse (s)", lambda r: _fmt(r.summary["refused_max_s"])),
+        ("decode told of refusal p50/max (s)",
+         lambda r: f"{_fmt(r.notify_latency.get('p50_s'))}/{_fmt(r.notify_latency.get('max_s'))}"),
         ("quarantine max (pages, share)",
          lambda r: f"{r.summary['quarantine_max_pages']} ({r.summary['quarantine_max_share']:.2%})"),
         ("leaked at quiesce (tokens p/d)", lambda r: _per_role(r.quiesce, "leaked_tokens")),

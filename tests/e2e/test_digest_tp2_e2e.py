@@ -11,9 +11,9 @@ The pins are the CI pins, which read the rank from different places (0.5.19: the
 ``runtime_context.get_parallel()``).
 
 A TP-2 decode is three busy processes on a 2-core machine that also runs another test worker, so only one pair
-of this module runs at a time (the vanilla one first) and its servers run with ``--sleep-on-idle``: an idle
-scheduler then waits on its sockets instead of spinning (a CI run timed out booting the second pair while the
-first spun).
+of this module runs at a time (the vanilla one first); like every testbed server they run with
+``--sleep-on-idle`` (ci/pins.toml): an idle scheduler then waits on its sockets instead of spinning (a CI run
+timed out booting the second pair while the first spun).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"flip@1:{FLIP_ROOM}",
 DIGEST_ONLY = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log", "SGLANG_HARDEN_COVERAGE": "off",
                "SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "log"}
 DECODE_TP2 = ["--tp-size", "2"]
-IDLE_SLEEP = ["--sleep-on-idle"]
 DECODE_TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
@@ -94,8 +93,7 @@ def _start(pin: str, hardened: bool, log_dir: Path) -> PDPair:
         prefill_max_total_tokens=2048,
         decode_max_total_tokens=2048,
         context_length=1024,
-        prefill_flags=IDLE_SLEEP,
-        decode_flags=[*DECODE_TP2, *IDLE_SLEEP],
+        decode_flags=DECODE_TP2,  # every testbed server already sleeps when idle (ci/pins.toml)
         env={**FAULT_ENV, **(DIGEST_ONLY if hardened else {})},
         decode_env=DECODE_TP2_ENV,
         launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,

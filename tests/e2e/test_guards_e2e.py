@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from sglang_harden.testbed.client import greedy_body
+from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import IncidentSetup, start_incident_pair, tenant_a_prompt, tenant_b_prompt
 from sglang_harden.testbed.server import PDPair, Server
@@ -35,6 +36,9 @@ PINS = list(load_pins())
 SETUP = IncidentSetup(waiting_timeout_s=60)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_BOUND_S = 5.0
+# README: decode is told of a prefill refusal within ~0.2-0.5 s. Measured between the two servers' decision lines
+# (prefill refused the room -> decode aborted it on the notice), not by the client, whose wait includes the host.
+NOTIFY_BOUND_S = 1.0
 # A refusal that comes after prefill's forward and the transfer (short send, retired final send): on a loaded
 # CI host the forward alone took 7.5 s; still far below the 60 s waiting timeout a decode that was not told
 # would sit out.
@@ -176,7 +180,8 @@ def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) 
 
 def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: str) -> None:
     """Prefill's tokenizer refuses the prompt (longer than the context) before its scheduler sees it; decode,
-    holding a reservation for the same room, answers 400 with prefill's message within 5 s and frees it."""
+    holding a reservation for the same room, acts on prefill's notice within 1 s of the refusal (the servers' own
+    decision lines), answers 400 with prefill's message within 5 s and frees it."""
     from sglang_harden.testbed.incident import front_door_round
 
     pair = pairs("hardened")
@@ -185,6 +190,9 @@ def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: st
     assert door["decode_status"] == 400, door
     assert "context length" in (door["decode_error"] or ""), door
     assert door["decode_elapsed_s"] < PROMPT_BOUND_S, door
+    told = notify_latencies([pair.prefill.log_text()], [pair.decode.log_text()])
+    assert door["room"] in told, (door, told)
+    assert told[door["room"]] <= NOTIFY_BOUND_S, (door, told)
     assert not door["decode_generated"], door
     state = _wait_pool_full(pair.decode)
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state

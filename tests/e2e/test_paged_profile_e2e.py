@@ -11,16 +11,22 @@ Rounds: a warm-up, then tenant A seeds (1, 2, 1, 2), each round A then the overs
   prefill pool holds one A at a time) — with the same answer as the first send;
 - vanilla: leak pins serve B with HTTP 200 over more than half of A's decode rows (the kv tracer); 0.5.21+ pins
   refuse B at prefill while decode never answers 200;
-- hardened (capacity gate in ``log`` mode: the pools are deliberately too small): every B is refused with 400 by
+- hardened (capacity gate in ``log`` mode: the pools are deliberately too small; checksum in ``log`` mode so that
+  the page-table fault below is judged by the page tags, which check only requests nothing aborted before them;
+  every other guard in its default mode): every B is refused with 400 by
   prefill and decode and decode never runs a forward for it; A's answers are exactly vanilla's; both pools are
   full at quiesce and decode's page ledger (fed by the paged allocator's free hook) tracks no page and
   quarantines none;
 - a transfer that leaves out one reserved page and reports success (test-only ``kvfault`` shim): vanilla serves
-  it, the hardened canary (``enforce``, its default) aborts it.
+  it, the hardened canary (``enforce``, its default) aborts it;
+- last (it leaves the pool inconsistent): SGLang's own page table points one prompt page of a request at a page in
+  the allocator's free list (``kvfault`` ``table``): vanilla decodes over rows another request left there (the
+  KV tracer), the hardened page-tag check aborts it at the commit.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -34,23 +40,28 @@ from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     IncidentSetup,
     RoundResult,
+    read_kvtrace,
     run_round,
     start_incident_pair,
     tenant_a_prompt,
 )
 from sglang_harden.testbed.profiles import get_profile
+from sglang_harden.testbed.soak import decision_delta
 
 pytestmark = pytest.mark.e2e
 
 PROFILE = get_profile("paged16")
 SETUP = IncidentSetup(waiting_timeout_s=20)
-HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
+HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log", "SGLANG_HARDEN_CHECKSUM": "log"}
 # The test-only kvfault shim: a KV send of exactly 3 pages leaves out its last page and still reports success.
 # Only the 40-token request below makes such a send here (A's chunks are 4 pages, its final pieces 1, a radix
 # hit's early send 12), so decode's third reserved page keeps what it held: the incident's stale page.
 UNWRITTEN_PAGES = 3
 UNWRITTEN_LEN = 40
-FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES}"}
+# ... and, last of all (it leaves the pool inconsistent), SGLang's own page table is made to point one prompt page
+# of the request in room TABLE_ROOM at a page in the allocator's free list (``table`` fault, decode side).
+TABLE_ROOM = 991_000_001
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES},table:{TABLE_ROOM}"}
 TOO_LONG = "exceeds the maximum allowed length"
 RECIPES = load_pins()
 CASES = [f"{pin}/{backend}" for pin in ("0.5.19", "0.5.23") if pin in RECIPES
@@ -89,10 +100,20 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
                                   timeout=SETUP.waiting_timeout_s + 120)
         decisions = pair.decode.harden_decisions() if hardened else {}
         quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
+        table = pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
+                              timeout=SETUP.waiting_timeout_s + 120)
+        table_decisions = pair.decode.harden_decisions() if hardened else {}
     finally:
         pair.stop()
+    trace = read_kvtrace(log_dir / "kvtrace")
+    faults = [json.loads(line) for path in sorted((log_dir / "kvtrace").glob("kvfault-*.jsonl"))
+              for line in path.read_text().splitlines() if line.strip()]
     return {"args": args, "rounds": rounds, "repeats": repeats, "unwritten": unwritten, "decisions": decisions,
-            "quiesce": quiesce, "prefill_log": pair.prefill.log_text()}
+            "quiesce": quiesce, "prefill_log": pair.prefill.log_text(), "table": table,
+            "table_decisions": decision_delta(decisions, table_decisions),
+            "table_fault": [f for f in faults if f.get("event") == "table_fault"],
+            "table_first_decode": next((e for e in trace if e.get("event") == "first_decode"
+                                        and e.get("rid") == "table-fault"), None)}
 
 
 def _serving_args(info: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +192,7 @@ def test_hardened_answers_a_like_vanilla(runs: dict[str, dict[str, Any]]) -> Non
 
 def test_unwritten_page_served_by_vanilla_refused_by_the_canary(runs: dict[str, dict[str, Any]]) -> None:
     """A transfer that skipped one reserved page and reported success: vanilla decode generates over the page's
-    old content; hardened decode (every guard in its default mode: the canary in ``enforce``) aborts before the
+    old content; hardened decode (the canary in its default mode, ``enforce``) aborts before the
     first decode step, and it is the canary's verdict (it runs before the digest at commit)."""
     vanilla, hardened = runs["vanilla"]["unwritten"].decode, runs["hardened"]["unwritten"].decode
     assert vanilla.status == 200 and vanilla.output_ids, vanilla.summary()
@@ -186,3 +207,28 @@ def test_hardened_pools_full_and_ledger_clean(runs: dict[str, dict[str, Any]]) -
     ledger = quiesce["decode"].get("harden_lifecycle") or {}
     assert ledger.get("page_size") == 16, quiesce
     assert ledger.get("pages_not_free_in_ledger") == 0 and ledger.get("quarantined_pages") == 0, quiesce
+
+
+def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """SGLang's own page table made inconsistent (``table`` fault: one prompt page of the request points at a page
+    in the allocator's free list, after the transfer wrote the right one). Vanilla decodes over it and the KV
+    tracer sees rows another request left there; hardened decode's page-tag check at the commit finds a page
+    the request does not own in its ledger and aborts before the first decode step. (The canary is about the pages
+    the transfer wrote, which are intact; the digest, which reads the page table too, would catch it first in
+    ``enforce`` and is in ``log`` mode on this pair.)"""
+    vanilla, hardened = runs["vanilla"], runs["hardened"]
+    for run in (vanilla, hardened):
+        assert len(run["table_fault"]) == 1, run["table_fault"]  # the fault really was applied, once
+        fault = run["table_fault"][0]
+        assert fault["page_now"] != fault["page_was"], fault
+    read = vanilla["table_first_decode"]
+    assert vanilla["table"].decode.status == 200 and read is not None, vanilla["table"].decode.summary()
+    assert vanilla["table_fault"][0]["page_now"] in read["pages"], (read, vanilla["table_fault"])
+    assert read["foreign_total"] > 0, read
+    h = hardened["table"].decode
+    assert h.status == 500 and not h.output_ids, h.summary()
+    assert "page ownership check failed" in h.error_message(), h.summary()
+    assert hardened["table_decisions"].get("page_tags:abort") == 1, hardened["table_decisions"]
+    assert hardened["table_first_decode"] is None, hardened["table_first_decode"]

@@ -60,10 +60,11 @@ def test_foreign_reads_counts_first_decode_rows_and_rows_changed_while_decoding(
         {"event": "release", "rid": "a", "context_rows_changed": 0},
         {"event": "release", "rid": "c", "context_rows_changed": 5},
         {"event": "release", "rid": "d", "context_rows_changed": None},
+        {"event": "first_decode", "rid": "e", "foreign_total": 0, "rows_changed_since_commit": 2},
     ]
     got = soak.foreign_reads(trace)
-    assert got["rows"] == 17 and got["requests"] == 2 and got["examples"] == ["b", "c"]
-    assert got["traced_first_decodes"] == 2 and got["tracer_errors"] == 0
+    assert got["rows"] == 19 and got["requests"] == 3 and got["examples"] == ["b", "c", "e"]
+    assert got["traced_first_decodes"] == 3 and got["tracer_errors"] == 0
     assert soak.foreign_reads([{"event": "error", "where": "x"}])["tracer_errors"] == 1
 
 
@@ -187,3 +188,26 @@ def test_tracer_prefix_keys_tell_shared_prefixes_from_different_ones() -> None:
     a, b = prefix_keys([5, 6, 7, 8], 4), prefix_keys([5, 6, 9, 8], 4)
     assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]  # same token later, different prefix: different key
     assert prefix_keys([5, 6, 7], 2) == a[:2]
+
+
+def test_notify_latency_pairs_prefill_refusal_with_decode_abort_of_the_same_room() -> None:
+    from sglang_harden.testbed.decisions import notify_latencies
+
+    def line(**fields: object) -> str:
+        import json
+
+        return f"[2026-12-02 02:23:33] sglang_harden.decision {json.dumps(fields)}"
+
+    prefill = "\n".join([
+        line(guard="admission", decision="reject", room=7, ts=100.0),
+        line(guard="admission", decision="allow", room=8, ts=100.0),
+        line(guard="lifecycle", decision="quarantine", room=9, ts=200.0),
+        "[2026-12-02 02:23:34] sglang_harden.decision {cut short",
+    ])
+    decode = "\n".join([
+        line(guard="abort_notify", decision="abort", room=7, ts=100.25),
+        line(guard="abort_notify", decision="abort", room=7, ts=103.0),  # the first one counts
+        line(guard="coverage", decision="abort", room=9, ts=201.0),  # not a notice
+        line(guard="abort_notify", decision="abort", room=8, ts=100.5),  # prefill allowed 8: not a refusal
+    ])
+    assert notify_latencies([prefill], [decode]) == {7: 0.25}

@@ -9,8 +9,15 @@ Kinds:
 * ``unwritten:<pages>`` (prefill): a KV send of exactly ``<pages>`` pages leaves out its last page (source and
   destination alike), so the transfer reports success and decode's last reserved page keeps whatever it held
   before: a reserved page the transfer never wrote, the incident's stale page.
+* ``table:<room>`` (decode): right before decode commits that room's finished transfer, SGLang's own page table
+  (``req_to_token``) is made inconsistent: the request's middle prompt page is pointed at a page in the KV
+  allocator's free list (one whose rows still hold what an earlier request left, when there is one). The
+  transfer wrote the right page; decode reads another. One JSON line (``table_fault``: rid, room, the page it
+  had and the page it reads now) goes to ``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/kvfault-<pid>.jsonl``. The pool is
+  not consistent afterwards (the request frees the free page again and never frees its own): use it last.
 
-Vanilla decode generates over the result without noticing; the checksum and canary guards must abort it.
+Vanilla decode generates over the result without noticing; the checksum and canary guards must abort the first
+two, the page-tag guard the third.
 Wraps ``DecodeTransferQueue._commit_transfer_to_req`` and the Mooncake/NIXL managers' ``send_kvcache``
 (outside sglang-harden's own wrappers, keeping their marks).
 """
@@ -18,7 +25,10 @@ Wraps ``DecodeTransferQueue._commit_transfer_to_req`` and the Mooncake/NIXL mana
 from __future__ import annotations
 
 import functools
+import json
 import os
+import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -52,6 +62,47 @@ def _flip_one_bit(queue: Any, req: Any) -> None:
     raw[0] ^= 1
 
 
+def _stale_free_page(scheduler: Any, page_size: int) -> int:
+    """A page id from the allocator's free list whose first row is not all zero (an earlier request's KV), else
+    the first free page."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    parts = [getattr(allocator, "release_pages", None), *(getattr(allocator, "staged_pages", None) or []),
+             allocator.free_pages]  # recently released first: the likeliest to hold an earlier request's rows
+    free = [int(x) for part in parts if part is not None for x in part.tolist()]
+    if not free:
+        raise RuntimeError("kvfault table: the KV allocator has no free page to point at")
+    k0 = allocator.get_kvcache().k_buffer[0]
+    for page in free:
+        if bool(k0[page * page_size].abs().sum() > 0):
+            return page
+    return free[0]
+
+
+def _repoint_one_page(queue: Any, req: Any) -> None:
+    scheduler = queue.scheduler
+    page_size = int(getattr(scheduler, "page_size", None) or 1)
+    table = scheduler.req_to_token_pool.req_to_token
+    idx = req.kv.req_pool_idx if getattr(req, "kv", None) is not None else req.req_pool_idx
+    middle = len(req.origin_input_ids) // 2
+    first = (middle // page_size) * page_size
+    last = min(first + page_size, len(req.origin_input_ids))
+    old_page = int(table[idx, first]) // page_size
+    new_page = _stale_free_page(scheduler, page_size)
+    for pos in range(first, last):
+        table[idx, pos] = new_page * page_size + pos % page_size
+    _log({"event": "table_fault", "rid": req.rid, "room": int(req.bootstrap_room), "page_was": old_page,
+          "page_now": new_page, "positions": [first, last]})
+
+
+def _log(record: dict[str, Any]) -> None:
+    folder = os.environ.get("SGLANG_HARDEN_TESTBED_KVTRACE_DIR")
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with (Path(folder) / f"kvfault-{os.getpid()}.jsonl").open("a") as fh:
+        fh.write(json.dumps({**record, "t": time.time()}) + "\n")
+
+
 def _decode_rank(queue: Any) -> int:
     from sglang_harden.compat.kv_digest import _tp_coordinates
 
@@ -65,6 +116,8 @@ def _wrap_commit(original: Any) -> Any:
         rooms = faults("flip") | faults(f"flip@{_decode_rank(self)}")
         if room is not None and int(room) in rooms:
             _flip_one_bit(self, decode_req.req)
+        if room is not None and int(room) in faults("table"):
+            _repoint_one_page(self, decode_req.req)
         return original(self, decode_req)
 
     return commit

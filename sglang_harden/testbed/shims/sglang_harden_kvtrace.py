@@ -9,11 +9,18 @@ Runs inside the decode server's scheduler process. Two events, written as JSON l
   left there was never overwritten by this request's own transfer, so the decode step reads that other
   request's KV ("pages of A read by B"). ``pages`` lists the KV pages its context occupies.
 
-Hooks ``Scheduler.run_batch`` and ``Scheduler.process_batch_result`` (present in every supported pin).
+A third look closes the gap between the two: when decode commits a request's finished transfer
+(``DecodeTransferQueue._commit_transfer_to_req``) its context rows are hashed, and ``first_decode`` reports
+``rows_changed_since_commit``: rows something wrote after the transfer was done and before the request read them
+(a late write landing there).
+
+Hooks ``Scheduler.run_batch``, ``Scheduler.process_batch_result`` and, on 0.5.x decode,
+``DecodeTransferQueue._commit_transfer_to_req``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +40,7 @@ _lock = threading.Lock()
 _owners: dict[int, tuple[str, str, int]] = {}
 _seen_decode: set[str] = set()
 _context_at_first_decode: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
+_context_at_commit: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
 
 
 def _out_path() -> Path:
@@ -133,6 +141,8 @@ def _first_decode(scheduler: Any, req: Any) -> None:
                 matches[owner[0]] += 1
     with _lock:
         _context_at_first_decode[req.rid] = (slots, hashes)
+        committed = _context_at_commit.pop(req.rid, None)
+    since_commit = _rows_changed(committed, slots, hashes)
     _emit(
         {
             "event": "first_decode",
@@ -143,8 +153,41 @@ def _first_decode(scheduler: Any, req: Any) -> None:
             "foreign_rows": dict(matches),
             "foreign_total": sum(matches.values()),
             "same_prefix_rows": same_prefix,
+            "rows_changed_since_commit": since_commit,
         }
     )
+
+
+def _rows_changed(before: tuple[list[int], list[str]] | None, slots: list[int], hashes: list[str]) -> int | None:
+    """Rows (by slot) whose hash differs from an earlier look; None when there was no earlier look."""
+    if before is None:
+        return None
+    now = dict(zip(slots, hashes, strict=True))
+    return sum(1 for s, h in zip(*before, strict=True) if now.get(s, h) != h)
+
+
+def _wrap_commit(original: Any) -> Any:
+    @functools.wraps(original)  # keeps sglang-harden's hook marks visible through this wrapper (fail-closed check)
+    def commit(self: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, decode_req, *args, **kwargs)
+        try:
+            req = decode_req.req
+            slots = _slots(self.scheduler, req, _context_len(req))
+            if slots:
+                hashes = _row_hashes(self.scheduler, slots)
+                with _lock:
+                    _context_at_commit[req.rid] = (slots, hashes)
+        except Exception as exc:  # a tracer must never take the server down
+            _emit({"event": "error", "where": "commit", "error": repr(exc)})
+        return out
+
+    return commit
+
+
+def _patch_decode(module: ModuleType) -> None:
+    queue = getattr(module, "DecodeTransferQueue", None)
+    if queue is not None and hasattr(queue, "_commit_transfer_to_req"):
+        wrap_methods_once(queue, "_sglang_harden_kvtrace", {"_commit_transfer_to_req": _wrap_commit})
 
 
 def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
@@ -156,11 +199,7 @@ def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
             _owners[slot] = (req.rid, digest, key)
     with _lock:
         before = _context_at_first_decode.pop(req.rid, None)
-    changed = None
-    if before is not None:  # a request's prompt KV must not change while it decodes (late foreign write)
-        ctx_slots, ctx_hashes = before
-        now = dict(zip(slots, hashes, strict=True))
-        changed = sum(1 for s, h in zip(ctx_slots, ctx_hashes, strict=True) if now.get(s, h) != h)
+    changed = _rows_changed(before, slots, hashes)  # prompt KV must not change while it decodes (late write)
     _emit(
         {
             "event": "release",
@@ -214,3 +253,4 @@ def _patch_scheduler(module: ModuleType) -> None:
 
 def install() -> None:
     when_imported("sglang.srt.managers.scheduler", _patch_scheduler)
+    when_imported("sglang.srt.disaggregation.decode", _patch_decode)
