@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -511,14 +511,8 @@ class PDPair:
             self._say(f"starting prefill :{self.prefill.port} and decode :{self.decode.port} (logs {self.log_dir})")
             self.prefill.start()
             self.decode.start()
-            errors: list[BaseException] = []
-            threads = [threading.Thread(target=self._wait, args=(s, errors)) for s in (self.prefill, self.decode)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            if errors:
-                raise errors[0]
+            _wait_all([self.prefill, self.decode],
+                      lambda server: self._say(f"{server.role} ready in {server.ready_s:.1f} s"))
             if self.router is not None:
                 self._say(f"starting sglang-router :{self.router.port}")
                 self.router.start().wait_ready()
@@ -528,22 +522,9 @@ class PDPair:
             raise
         return self
 
-    def _wait(self, server: Server, errors: list[BaseException]) -> None:
-        try:
-            server.wait_ready()
-            self._say(f"{server.role} ready in {server.ready_s:.1f} s")
-        except BaseException as exc:  # surfaced by start()
-            errors.append(exc)
-
     def stop(self, term_timeout: float = 10.0) -> None:
         """Stop the router and both servers (their groups are signalled together)."""
-        parts = [p for p in (self.router, self.prefill, self.decode) if p is not None and p.proc is not None]
-        left = procs.kill_groups([p.proc.pid for p in parts], term_timeout=term_timeout)
-        for part in parts:
-            if part._finalizer is not None:
-                part._finalizer.detach()
-        if left:
-            raise ServerError(f"process groups {left} survived SIGKILL")
+        _stop_all([p for p in (self.router, self.prefill, self.decode) if p is not None], term_timeout)
 
     def wait_quiesced(self, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Both allocators back to full capacity (each polled up to ``timeout``): ``{role: pool numbers}``."""
@@ -664,14 +645,7 @@ class PDFleet:
                 _progress(f"{self.pin}: starting {len(self.prefills)}P/{len(self.decodes)}D (logs {self.log_dir})")
             for server in self.servers:
                 server.start()
-            errors: list[BaseException] = []
-            threads = [threading.Thread(target=_wait_into, args=(s, errors)) for s in self.servers]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            if errors:
-                raise errors[0]
+            _wait_all(self.servers)
             self.router.start().wait_ready()
             if self.progress:
                 _progress(f"{self.pin}: fleet ready behind sglang-router :{self.router.port}")
@@ -681,13 +655,7 @@ class PDFleet:
         return self
 
     def stop(self, term_timeout: float = 10.0) -> None:
-        parts = [p for p in self.parts() if p.proc is not None]
-        left = procs.kill_groups([p.proc.pid for p in parts], term_timeout=term_timeout)
-        for part in parts:
-            if part._finalizer is not None:
-                part._finalizer.detach()
-        if left:
-            raise ServerError(f"process groups {left} survived SIGKILL")
+        _stop_all(self.parts(), term_timeout)
 
     def __enter__(self) -> PDFleet:
         return self.start()
@@ -696,8 +664,33 @@ class PDFleet:
         self.stop()
 
 
-def _wait_into(server: Server, errors: list[BaseException]) -> None:
-    try:
-        server.wait_ready()
-    except BaseException as exc:  # surfaced by the caller
-        errors.append(exc)
+def _wait_all(servers: Sequence[Server], on_ready: Callable[[Server], None] | None = None) -> None:
+    """Wait for every (started) server at once; raise the first failure after all have settled."""
+    errors: list[BaseException] = []
+
+    def wait(server: Server) -> None:
+        try:
+            server.wait_ready()
+            if on_ready is not None:
+                on_ready(server)
+        except BaseException as exc:  # raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait, args=(server,)) for server in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _stop_all(parts: Sequence[_Process], term_timeout: float) -> None:
+    """Signal the process groups of every started part together; raise if one survives SIGKILL."""
+    started = [p for p in parts if p.proc is not None]
+    left = procs.kill_groups([p.proc.pid for p in started], term_timeout=term_timeout)
+    for part in started:
+        if part._finalizer is not None:
+            part._finalizer.detach()
+    if left:
+        raise ServerError(f"process groups {left} survived SIGKILL")

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from sglang_harden.testbed.client import http_json
+from sglang_harden.testbed.client import generate, http_json
 from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, read_kvtrace
 from sglang_harden.testbed.profiles import get_profile
@@ -227,14 +227,6 @@ def _finish_message(meta: dict[str, Any]) -> str:
     return str(finish.get("message") or "")[:200] if isinstance(finish, dict) else ""
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> int:
-    try:
-        status, _ = http_json("POST", url + "/generate", body, timeout=timeout)
-        return status
-    except (TimeoutError, urllib.error.URLError, ConnectionError, OSError):
-        return -1
-
-
 def send(target: Target, body: dict[str, Any], timeout: float, room: int | None = None
          ) -> tuple[int, float | None, int, str]:
     """One request (paired directly, or through the router); the decode side streams. Returns (status, ttft,
@@ -245,7 +237,7 @@ def send(target: Target, body: dict[str, Any], timeout: float, room: int | None 
     room = random.randrange(2**62) if room is None else room
     paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": target.bootstrap_port, "bootstrap_room": room}
     box: dict[str, int] = {}
-    side = threading.Thread(target=lambda: box.update(p=_post(target.prefill_url, paired, timeout)))
+    side = threading.Thread(target=lambda: box.update(p=generate(target.prefill_url, paired, timeout).status))
     side.start()
     status, ttft, meta, err = _stream(target.decode_url, paired, timeout)
     side.join()
@@ -533,25 +525,7 @@ def start_topology(topo: SoakTopology, load: SoakLoad, hardened: bool, log_dir: 
         env.update({**load.late_write_env(), KVTRACE_ENV: str(log_dir / "kvtrace")})
         if hardened:  # the sender's bound on a timed-out write's lifetime must cover the injected delay
             env["SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"] = str(int(load.late_write_delay_s + 3))
-    if topo.prefills > 1 or topo.decodes > 1:
-        fleet = PDFleet(
-            topo.pin,
-            prefills=topo.prefills,
-            decodes=topo.decodes,
-            prefill_max_total_tokens=topo.prefill_max_total_tokens,
-            decode_max_total_tokens=topo.decode_max_total_tokens,
-            context_length=topo.context_length,
-            transfer_backend=topo.backend,
-            profile=get_profile(topo.profile),
-            env=env,
-            decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")},
-            launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
-            log_dir=log_dir,
-            progress=progress,
-        )
-        return fleet.start()
-    pair = PDPair(
-        topo.pin,
+    common: dict[str, Any] = dict(
         prefill_max_total_tokens=topo.prefill_max_total_tokens,
         decode_max_total_tokens=topo.decode_max_total_tokens,
         context_length=topo.context_length,
@@ -560,11 +534,12 @@ def start_topology(topo: SoakTopology, load: SoakLoad, hardened: bool, log_dir: 
         env=env,
         decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")},
         launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
-        router=topo.router,
         log_dir=log_dir,
         progress=progress,
     )
-    return pair.start()
+    if topo.prefills > 1 or topo.decodes > 1:
+        return PDFleet(topo.pin, prefills=topo.prefills, decodes=topo.decodes, **common).start()
+    return PDPair(topo.pin, router=topo.router, **common).start()
 
 
 def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtrace_dir: Path | None,

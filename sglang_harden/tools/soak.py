@@ -16,8 +16,12 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sglang_harden.testbed.profiles import PROFILES
+
+if TYPE_CHECKING:
+    from sglang_harden.testbed.soak import SoakLoad, SoakReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +57,7 @@ def _bad(message: str) -> int:
     return 2
 
 
-def _load(args: argparse.Namespace):  # -> SoakLoad
+def _load(args: argparse.Namespace) -> SoakLoad:
     from sglang_harden.testbed.soak import SoakLoad
 
     return SoakLoad(duration_s=args.duration, concurrency=args.concurrency, tenants=args.tenants, seed=args.seed,
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r.violations() for r in judged) else 0
 
 
-def _run_state(args: argparse.Namespace, load) -> int:
+def _run_state(args: argparse.Namespace, load: SoakLoad) -> int:
     from sglang_harden.testbed import soak
 
     try:
@@ -120,7 +124,7 @@ def _run_state(args: argparse.Namespace, load) -> int:
     return 1 if report.violations() else 0
 
 
-def _print(args: argparse.Namespace, reports, ratios) -> None:
+def _print(args: argparse.Namespace, reports: list[SoakReport], ratios: dict[str, float | None] | None) -> None:
     from sglang_harden.testbed import soak
 
     if sys.stderr.isatty():

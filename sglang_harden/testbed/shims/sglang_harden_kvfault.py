@@ -25,14 +25,12 @@ Wraps ``DecodeTransferQueue._commit_transfer_to_req`` and the Mooncake/NIXL mana
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import wrap_methods_once
+from sglang_harden_shimkit import append_trace_line, free_page_ids, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -66,9 +64,7 @@ def _stale_free_page(scheduler: Any, page_size: int) -> int:
     """A page id from the allocator's free list whose first row is not all zero (an earlier request's KV), else
     the first free page."""
     allocator = scheduler.token_to_kv_pool_allocator
-    parts = [getattr(allocator, "release_pages", None), *(getattr(allocator, "staged_pages", None) or []),
-             allocator.free_pages]  # recently released first: the likeliest to hold an earlier request's rows
-    free = [int(x) for part in parts if part is not None for x in part.tolist()]
+    free = free_page_ids(allocator)  # recently released first: the likeliest to hold an earlier request's rows
     if not free:
         raise RuntimeError("kvfault table: the KV allocator has no free page to point at")
     k0 = allocator.get_kvcache().k_buffer[0]
@@ -90,17 +86,9 @@ def _repoint_one_page(queue: Any, req: Any) -> None:
     new_page = _stale_free_page(scheduler, page_size)
     for pos in range(first, last):
         table[idx, pos] = new_page * page_size + pos % page_size
-    _log({"event": "table_fault", "rid": req.rid, "room": int(req.bootstrap_room), "page_was": old_page,
-          "page_now": new_page, "positions": [first, last]})
-
-
-def _log(record: dict[str, Any]) -> None:
-    folder = os.environ.get("SGLANG_HARDEN_TESTBED_KVTRACE_DIR")
-    if not folder:
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    with (Path(folder) / f"kvfault-{os.getpid()}.jsonl").open("a") as fh:
-        fh.write(json.dumps({**record, "t": time.time()}) + "\n")
+    append_trace_line("kvfault", {"event": "table_fault", "rid": req.rid, "room": int(req.bootstrap_room),
+                                  "page_was": old_page, "page_now": new_page, "positions": [first, last],
+                                  "t": time.time()})
 
 
 def _decode_rank(queue: Any) -> int:

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import os
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import wrap_methods_once
+from sglang_harden_shimkit import append_trace_line, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -43,16 +40,10 @@ _context_at_first_decode: dict[str, tuple[list[int], list[str]]] = {}  # rid -> 
 _context_at_commit: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
 
 
-def _out_path() -> Path:
-    folder = Path(os.environ["SGLANG_HARDEN_TESTBED_KVTRACE_DIR"])
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"kvtrace-{os.getpid()}.jsonl"
-
-
 def _emit(record: dict[str, Any]) -> None:
     record["t"] = time.time()
-    with _lock, _out_path().open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    with _lock:
+        append_trace_line("kvtrace", record)
 
 
 def _is_decode(scheduler: Any) -> bool:

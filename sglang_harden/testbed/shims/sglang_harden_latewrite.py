@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from sglang_harden_shimkit import append_trace_line
 
 from sglang_harden._importhook import when_imported
 
@@ -76,13 +77,7 @@ def _wait(delay: float) -> None:
 
 
 def _emit(record: dict[str, Any]) -> None:
-    folder = os.environ.get("SGLANG_HARDEN_TESTBED_KVTRACE_DIR")
-    if not folder:
-        return
-    path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    with (path / f"latewrite-{os.getpid()}.jsonl").open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_trace_line("latewrite", record)
 
 
 def _patch_queue(module: ModuleType) -> None:

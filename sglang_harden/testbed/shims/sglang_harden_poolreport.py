@@ -13,25 +13,13 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import wrap_methods_once
+from sglang_harden_shimkit import free_page_ids, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
 
-def _free_page_ids(allocator: Any) -> list[int]:
-    """Every page id in the allocator's free lists: the free pages plus those released but not yet merged
-    (``release_pages`` up to 0.5.2x, ``staged_pages`` later)."""
-    ids: list[int] = []
-    parts = [getattr(allocator, "free_pages", None), getattr(allocator, "release_pages", None)]
-    parts += list(getattr(allocator, "staged_pages", None) or [])
-    for part in parts:
-        if part is not None and hasattr(part, "tolist"):
-            ids.extend(int(x) for x in part.tolist())
-    return ids
-
-
 def duplicate_free_pages(allocator: Any) -> int:
-    ids = _free_page_ids(allocator)
+    ids = free_page_ids(allocator)
     return len(ids) - len(set(ids))
 
 

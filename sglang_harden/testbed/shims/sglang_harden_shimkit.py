@@ -1,9 +1,15 @@
-"""One helper the test-only shims share: wrap methods of an SGLang class once per process."""
+"""Helpers the test-only shims share: wrap methods of an SGLang class once per process, append a JSON line to the
+trace folder, list the page ids in a KV allocator's free lists."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+TRACE_DIR_ENV = "SGLANG_HARDEN_TESTBED_KVTRACE_DIR"
 
 
 def wrap_methods_once(cls: type, marker: str, wrappers: Mapping[str, Callable[[Any], Any]]) -> None:
@@ -13,3 +19,22 @@ def wrap_methods_once(cls: type, marker: str, wrappers: Mapping[str, Callable[[A
     for name, wrap in wrappers.items():
         setattr(cls, name, wrap(getattr(cls, name)))
     setattr(cls, marker, True)
+
+
+def append_trace_line(stem: str, record: Mapping[str, Any]) -> None:
+    """One JSON line to ``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/<stem>-<pid>.jsonl`` (nothing when it is unset)."""
+    folder = os.environ.get(TRACE_DIR_ENV)
+    if not folder:
+        return
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / f"{stem}-{os.getpid()}.jsonl").open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def free_page_ids(allocator: Any) -> list[int]:
+    """Every page id in the allocator's free lists, recently released first: the pages released but not yet merged
+    (``release_pages`` up to 0.5.2x, ``staged_pages`` later), then the free pages."""
+    parts = [getattr(allocator, "release_pages", None), *(getattr(allocator, "staged_pages", None) or []),
+             getattr(allocator, "free_pages", None)]
+    return [int(x) for part in parts if part is not None and hasattr(part, "tolist") for x in part.tolist()]
