@@ -383,6 +383,26 @@ class PrefillNode:
         for room in rooms:
             self.failed_writes[int(room)] = now
 
+    def write_may_land(self, room: int) -> bool:
+        """A failed write of ``room`` may still land (within its lifetime; lifetime 0: until the sender is gone)."""
+        failed_at = self.failed_writes.get(room)
+        return failed_at is not None and (self.lifetime_s <= 0 or time.monotonic() - failed_at < self.lifetime_s)
+
+    def stuck_tokens(self) -> int:
+        """Tokens of source pages that a failed write pins for its whole lifetime and that have not come through
+        the free path yet: they sit in the prefix cache, where SGLang counts them as evictable, but evicting them
+        frees nothing. The allocator reports them as not available, so admission stops promising them."""
+        if not self.failed_writes:
+            return 0
+        stuck = 0
+        for room in self.failed_writes:
+            if not self.write_may_land(room) or room not in self.holds:
+                continue
+            pages = lifecycle.distinct(np.concatenate(self.holds[room]))
+            held = int(np.count_nonzero(self.held_room[pages] == room))
+            stuck += max(0, held - len(self.pending.get(room, ())))
+        return stuck * self.page_size
+
     def settled(self, room: int) -> bool:
         failed_at = self.failed_writes.get(room)
         if failed_at is not None:
@@ -429,6 +449,8 @@ class PrefillNode:
             self.held_room[pages[self.held_room[pages] == room]] = 0
 
     def settle_pending(self) -> list[int]:
+        for room in [r for r in self.failed_writes if not self.write_may_land(r)]:
+            del self.failed_writes[room]
         freed: list[int] = []
         for room in [r for r in self.pending if self.settled(r)]:
             freed.extend(self.pending.pop(room))
@@ -446,9 +468,9 @@ class PrefillNode:
         return bool(self.pending or self.stashed_acks or self.failed_writes or self.orphan_targets)
 
     def held_tokens(self) -> int:
-        if not self.pending:
-            return 0
-        return sum(len(p) for p in self.pending.values()) * self.page_size
+        """Tokens kept back from the free list plus those :meth:`stuck_tokens` hides from the allocator's count."""
+        pending = sum(len(p) for p in self.pending.values()) * self.page_size if self.pending else 0
+        return pending + self.stuck_tokens()
 
     def report(self) -> dict[str, Any]:
         return {
@@ -459,6 +481,7 @@ class PrefillNode:
             "drain_acks_withheld": sum(len(a) for a in self.stashed_acks.values()),
             "ack_targets_kept_past_clear": len(self.orphan_targets),
             "rooms_with_failed_writes": len(self.failed_writes),
+            "cached_tokens_pinned_by_failed_writes": self.stuck_tokens(),
         }
 
 
@@ -856,6 +879,21 @@ def _capture_ack_target(original: Func) -> Func:
     return register
 
 
+def _available_less_stuck(original: Func) -> Func:
+    """Prefill admission budgets free + evictable tokens. Source pages a failed write pins are evictable to SGLang,
+    but evicting them frees nothing: without this the budget promises them, the allocation that follows fails,
+    and SGLang's prefill scheduler dies ("Prefill out of memory")."""
+
+    def available_size(self: Any, *args: Any, **kwargs: Any) -> Any:
+        available = original(self, *args, **kwargs)
+        node = NODE
+        if type(node) is PrefillNode and node.failed_writes and self is node.allocator:
+            return max(0, available - node.stuck_tokens())
+        return available
+
+    return available_size
+
+
 def _account_held_pages(original: Func) -> Func:
     """SGLang's idle leak check counts every page; pages we hold back are accounted, not leaked."""
 
@@ -980,6 +1018,8 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_init),
     Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.free", ("self", "free_index"), _token_free),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self",), _paged_release),
+    Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
+    Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
     Hook("lifecycle", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
     Hook("lifecycle", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _confirmations_first),

@@ -642,3 +642,65 @@ def test_prefill_free_lets_go_of_settled_sources_only(sglang_modules: dict[str, 
         assert alloc.available_size() == POOL and np.count_nonzero(node.held_room) == 0
     finally:
         lifecycle_v05.NODE = None
+
+
+@pytest.mark.parametrize("page_size", [1, 16], ids=["token", "paged16"])
+def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modules: dict[str, Any],
+                                                                     page_size: int) -> None:
+    """Found by the soak: a failed write pins its room's source pages for the write lifetime. Once the request
+    is done they sit in SGLang's radix cache, which calls them evictable. Prefill admission budgets free +
+    evictable tokens, evicts, and allocates that budget. Evicting the pinned pages frees nothing, so the
+    allocation failed and SGLang's prefill scheduler died ("Prefill out of memory"). The allocator now leaves
+    those tokens out of its count. Real allocator, real RadixCache, SGLang's own evict-then-allocate helper."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    pool, pinned = (POOL, 20) if page_size == 1 else (4 * page_size, 2 * page_size)
+    if page_size == 1:
+        alloc = sglang_modules["token"].TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, True)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu", None, True)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                      page_size=page_size))
+    node = PrefillNode.for_allocator(alloc)
+    node.lifetime_s = 0.5
+    lifecycle_v05.NODE = node
+    try:
+        src = alloc.alloc(pinned)
+        pages = (src[::page_size] // page_size).numpy().astype(np.int64)
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1},
+                              transfer_infos={ROOM_A: {"sess-1": object()}})
+        node.hold(mgr, ROOM_A, pages)
+        send = lifecycle_v05._send_kvcache(lambda *a, **k: -1)  # the engine call failed: the write may land
+        assert send(mgr, "sess-1", pages, [], pages, None) == -1
+        mgr._staging_outstanding[ROOM_A] = 0
+        mgr.request_status[ROOM_A] = KVPoll.Failed
+        tree.insert(InsertParams(key=RadixKey(list(range(pinned))), value=src))  # the finished prompt, cached
+
+        vanilla_count = type(alloc).available_size.__wrapped__(alloc)
+        assert vanilla_count + tree.evictable_size() == pool, "what an unguarded budget promises"
+        budget = alloc.available_size() + tree.evictable_size()
+        assert budget == pool - pinned
+        leak, msg = SchedulerInvariantChecker._check_pool_invariant("full", alloc.available_size(),
+                                                                    tree.evictable_size(), 0, 0, pool)
+        assert not leak, msg
+
+        evict_from_tree_cache(tree, budget)
+        assert alloc.alloc(pool) is None, "the unguarded promise cannot be kept: the pinned pages did not come back"
+        taken = alloc.alloc(budget)
+        assert taken is not None and len(taken) == budget, "the guarded budget is what allocation delivers"
+        alloc.free(taken)
+
+        import time
+
+        time.sleep(0.55)  # the write lifetime passed: the pinned pages may go back
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert node.stuck_tokens() == 0 and not node.failed_writes
+        assert alloc.available_size() == pool
+    finally:
+        lifecycle_v05.NODE = None
