@@ -17,10 +17,20 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The KV digest/canary tests need torch, the in-process lifecycle tests need SGLang itself: run them with
 # each CI pin's venv python (CPU torch, testbed shims), then the whole suite with the system python (where
 # they skip, saying so).
+# The pins run side by side (each mostly one busy thread: SGLang's bootstrap server and the fuzzing client).
+inproc_logs="$(mktemp -d)"
+pids=()
 for pin in $(python3 -c 'from sglang_harden.testbed.envs import ci_pins; print(" ".join(ci_pins()))'); do
   python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
-    tests/integration/test_lifecycle_inprocess.py tests/integration/test_digest_inprocess.py
+    tests/integration/test_lifecycle_inprocess.py tests/integration/test_digest_inprocess.py \
+    tests/integration/test_control_auth_inprocess.py > "$inproc_logs/$pin.log" 2>&1 &
+  pids+=("$!")
 done
+inproc_failed=0
+for pid in "${pids[@]}"; do wait "$pid" || inproc_failed=1; done
+for log in "$inproc_logs"/*.log; do echo "== in-process tests, pin $(basename "$log" .log)"; cat "$log"; done
+rm -rf "$inproc_logs"
+[ "$inproc_failed" = 0 ] || { echo "in-process tests failed" >&2; exit 1; }
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
   tests/unit/test_events_prometheus.py \

@@ -69,7 +69,11 @@ class HardenConfig:
     # How long decode waits at a commit for the digest of a prefill that publishes digests (its answer is
     # normally there already: prefill posts before it sends). Past it the checksum guard refuses the request.
     checksum_wait_ms: int = 5000
-    bootstrap_secret: str = ""
+    # A file with the PD deployment's control-plane secret (the signing one first, one more accepted during a
+    # rotation). Never the secret itself on a command line or in the environment. Empty: the control plane is
+    # unauthenticated and the bootstrap_auth guard is not armed.
+    bootstrap_secret_file: str = ""
+    bootstrap_auth_max_age_s: int = 60
     extra: dict[str, str] = field(default_factory=dict)
 
     def mode(self, guard: str) -> Mode:
@@ -113,8 +117,16 @@ def load_config(environ: dict[str, str] | None = None) -> HardenConfig:
     return config
 
 
+def bootstrap_auth_requested(environ: dict[str, str] | None = None) -> bool:
+    """The operator set ``bootstrap_auth`` to enforce explicitly (without a secret file that is an error)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_PREFIX + "BOOTSTRAP_AUTH", "").strip().lower() == Mode.ENFORCE.value
+
+
 def _warn_disabled(config: HardenConfig) -> None:
     for guard in GUARDS:
+        if guard == "bootstrap_auth" and not config.bootstrap_secret_file:
+            continue  # not armed without a secret: the start-up warning says so once
         if config.mode(guard) is not Mode.ENFORCE:
             logger.warning("sglang-harden guard %s is in %s mode", guard, config.mode(guard).value)
     if config.capacity is not CapacityMode.ENFORCE:

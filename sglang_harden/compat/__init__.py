@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang_harden._importhook import when_imported
-from sglang_harden.compat import hooks
+from sglang_harden.compat import control_auth, hooks
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import GUARDS, Mode, load_config
 
@@ -77,6 +77,7 @@ def activate(source: str) -> Activation:
         module_name = family_module_for(pin, RUNTIME.config.allow_unknown_pin)
         family = importlib.import_module(f"sglang_harden.compat.{module_name}")
         RUNTIME.family = family.FAMILY
+        _check_control_auth(family.HOOKS)
         enabled = _register_enabled(family.HOOKS)
         for module, callback in family.MODULE_CALLBACKS.items():
             when_imported(module, callback)
@@ -91,7 +92,9 @@ def reconfigure() -> None:
         if _active is None:
             return
         RUNTIME.config = load_config()
-        _register_enabled(_family_hooks(_active.pin))
+        family_hooks = _family_hooks(_active.pin)
+        _check_control_auth(family_hooks)
+        _register_enabled(family_hooks)
 
 
 def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
@@ -103,7 +106,17 @@ def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
 
 
 def _owner_enabled(owner: str) -> bool:
+    if owner == "bootstrap_auth":
+        return control_auth.configured()  # no secret: nothing to check tokens against, not armed
     return owner not in GUARDS or RUNTIME.config.mode(owner) is not Mode.OFF
+
+
+def _check_control_auth(family_hooks: list[hooks.Hook]) -> None:
+    """A named secret file must be usable, enforce needs one, and the pin must have somewhere to check it."""
+    control_auth.load(RUNTIME.config)
+    if control_auth.configured() and not any(h.owner == "bootstrap_auth" for h in family_hooks):
+        raise HardenRefusal(f"sglang-harden: control-plane authentication is not available on SGLang {RUNTIME.pin} "
+                            "(a bootstrap secret file is configured); remove it or use a supported 0.5.x pin")
 
 
 def _family_hooks(pin: str | None) -> list[hooks.Hook]:

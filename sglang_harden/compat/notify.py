@@ -163,7 +163,7 @@ class Publisher:
             try:
                 request = urllib.request.Request(
                     self._base_url + ABORT_PATH, data=body.encode(), method="PUT",
-                    headers={"Content-Type": "application/json"},
+                    headers={"Content-Type": "application/json", **_signed("PUT", ABORT_PATH, body.encode())},
                 )
                 with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
                     if response.status == 200:
@@ -234,9 +234,10 @@ class DecodeWatcher:
 
 
 def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
-    url = f"http://{addr}{ABORTS_PATH}?rooms=" + ",".join(str(r) for r in rooms)
+    target = f"{ABORTS_PATH}?rooms=" + ",".join(str(r) for r in rooms)
+    request = urllib.request.Request(f"http://{addr}{target}", headers=_signed("GET", target, b""))
     try:
-        with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
             data = json.loads(response.read(1 << 20))
     except (urllib.error.URLError, OSError, ValueError) as exc:
         logger.debug("sglang-harden: abort query to %s failed: %s", addr, exc)
@@ -250,3 +251,10 @@ def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
         except (KeyError, TypeError, ValueError):
             logger.warning("sglang-harden: malformed abort entry from %s: %r", addr, entry)
     return found
+
+
+def _signed(method: str, target: str, body: bytes) -> dict[str, str]:
+    """The control-plane token header for this request ({} without a configured secret)."""
+    from sglang_harden.compat import control_auth  # imported late: control_auth -> runtime -> notify
+
+    return control_auth.outgoing_headers(method, target, body)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import hook_timer, kv_canary, kv_digest, lifecycle_v05
+from sglang_harden.compat import control_auth, hook_timer, kv_canary, kv_digest, lifecycle_v05
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.lifecycle_v05 import MOONCAKE, NIXL
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
@@ -175,6 +175,7 @@ def _scheduler_started(original: Func) -> Func:
         if role == "decode":
             RUNTIME.decode_kv_pool = self.token_to_kv_pool_allocator.get_kvcache()
         RUNTIME.log_active(role=f"scheduler/{role}")
+        control_auth.warn_if_unauthenticated(role)
         return result
 
     return init
@@ -201,6 +202,11 @@ def _verify_in_process(role: str, backend: str) -> None:
         raise HardenRefusal(unsupported)
     needed = [h for h in registered_hooks() if _needed_here(h, role, backend)]
     gaps = missing(needed)
+    if "bootstrap_auth" in RUNTIME.armed and role in ("prefill", "decode"):
+        import sys
+
+        if not control_auth.signing_client_in_place(sys.modules.get(CONN)):
+            gaps.append(f"bootstrap_auth -> {CONN}.requests (signing client)")
     if gaps:
         raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))
 
@@ -240,6 +246,8 @@ HOOKS: list[Hook] = [
     Hook("coverage", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _check_coverage),
     Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), bootstrap_routes),
+    # Listed after abort_notify's routes, so the token check sits outside and sees every route.
+    Hook("bootstrap_auth", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), control_auth.require_tokens),
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
          watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),
@@ -264,7 +272,9 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
     "canary": {"decode"},
     "abort_notify": {"decode"},
     "startup": {"prefill", "decode", "null"},
+    "bootstrap_auth": {"prefill", "decode"},
     **lifecycle_v05.ROLES,
 }
 
-MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit}
+MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit,
+                                                      CONN: control_auth.install_signing_client}

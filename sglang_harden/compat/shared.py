@@ -176,13 +176,18 @@ async def handle_digest_put(request: Any) -> Any:
 
 async def _accept_from_this_host(request: Any, what: str, limit: int, parse: Callable[[bytes], Any],
                                  post: Callable[[Any], None]) -> Any:
-    """A side-channel PUT: 403 from another host, 400 on a malformed body, else ``post(parse(body))``."""
+    """A side-channel PUT: 403 from another host, 413 over ``limit`` bytes, 400 on a malformed body, else
+    ``post(parse(body))``. The body is read whole (aiohttp caps it at the app's client_max_size, 1 MiB by default)
+    because the control-plane token check may have read it already."""
     from aiohttp import web
 
     if not _from_this_host(request):
         return web.json_response({"error": f"{what} are accepted from this host only"}, status=403)
+    body = await request.read()
+    if len(body) > limit:
+        return web.json_response({"error": f"{what}: body over {limit} bytes"}, status=413)
     try:
-        item = parse(await request.content.read(limit))
+        item = parse(body)
     except ValueError as exc:
         return web.json_response({"error": str(exc)}, status=400)
     post(item)
@@ -381,5 +386,12 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
         "evictable_tokens": int(evictable),
         "max_req_input_len": int(scheduler.max_req_input_len),
         "context_len": int(scheduler.model_config.context_len),
+        "control_plane_auth": _control_plane_status(),
         "decisions": events.snapshot(),
     }
+
+
+def _control_plane_status() -> str:
+    from sglang_harden.compat import control_auth  # imported late: a leaf of the family modules
+
+    return control_auth.status()

@@ -68,6 +68,9 @@ class PinRecipe:
     decode_flags: tuple[str, ...] = ()
     server_env: dict[str, str] = field(default_factory=dict)
     incident: str = "leak"
+    # Whether sglang-harden can authenticate this pin's PD control plane (the testbed then gives every hardened
+    # server a secret file).
+    control_plane_auth: bool = True
 
     def build_hash(self) -> str:
         """Hash of what determines the venv's contents (not shims/flags/env, which act at run time)."""
@@ -103,6 +106,7 @@ def load_pins(path: Path | None = None) -> dict[str, PinRecipe]:
             decode_flags=_tuple(spec.get("decode_flags", common.get("decode_flags"))),
             server_env={**common.get("server_env", {}), **spec.get("server_env", {})},
             incident=spec.get("incident", "leak"),
+            control_plane_auth=bool(spec.get("control_plane_auth", True)),
         )
     return recipes
 

@@ -31,6 +31,7 @@ READY_LINE = "fired up and ready to roll"
 VANILLA_LAUNCHER = "sglang.launch_server"
 HARDENED_LAUNCHER = "sglang_harden.launch_server"
 ACTIVATE_ENV = "SGLANG_HARDEN_ACTIVATE"
+SECRET_FILE_ENV = "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"
 
 
 class ServerError(RuntimeError):
@@ -104,6 +105,16 @@ class _Process:
             self._finalizer.detach()
         if left:
             raise ServerError(f"{self.name}: process group {self.proc.pid} survived SIGKILL")
+
+    @property
+    def secret_file(self) -> Path:
+        """This server's own copy of the testbed's control-plane secret (a copy per server, so a test can rotate
+        one node at a time); made on first use. A vanilla server never reads it."""
+        path = self.log_dir / f"{self.name}.secret"
+        if not path.exists():
+            path.write_text(testbed_secret() + "\n")
+            path.chmod(0o600)
+        return path
 
     def pick_ports(self) -> None:
         raise NotImplementedError
@@ -233,6 +244,8 @@ class Server(_Process):
         extra = {**self.profile.server_env(), **self.extra_env}
         if self.launcher_module == VANILLA_LAUNCHER:
             extra.setdefault(ACTIVATE_ENV, "0")
+        if SECRET_FILE_ENV not in extra and self.recipe.control_plane_auth:
+            extra[SECRET_FILE_ENV] = str(self.secret_file)
         env = testbed_env(self.recipe, extra)
         for name in self.profile.dropped_env():
             if name not in self.extra_env:
@@ -694,3 +707,19 @@ def _stop_all(parts: Sequence[_Process], term_timeout: float) -> None:
             part._finalizer.detach()
     if left:
         raise ServerError(f"process groups {left} survived SIGKILL")
+
+
+def testbed_secret() -> str:
+    """The testbed's control-plane secret (random, made once per machine, mode 600): every hardened testbed
+    server authenticates its PD control plane with it unless a test sets ``SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE``
+    itself ("" for none)."""
+    import secrets
+
+    from sglang_harden.testbed.envs import harden_home
+
+    path = harden_home() / "testbed-bootstrap-secret"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o600)
+    return path.read_text().strip()

@@ -80,6 +80,9 @@ class SoakLoad:
     quiesce_timeout_s: float = 60.0
     late_writes: int = 0
     late_write_delay_s: float = 8.0
+    # every this many seconds, a caller without the control-plane secret sends forged control requests to every
+    # prefill bootstrap port (an abort notice for a room in flight, a digest, reads of the feed and route table)
+    forged_control_every_s: float = 0.0
 
     def late_rooms(self) -> list[int]:
         return [LATE_ROOM_BASE + i for i in range(self.late_writes)]
@@ -153,8 +156,10 @@ class Target:
     """Where requests go: a prefill and a decode URL (requests paired directly) or a router URL; ``nodes`` names
     every server (``prefill``/``decode``, or ``prefill0``, ``decode1``, ... in a fleet) for polling and aborts."""
 
-    def __init__(self, nodes: dict[str, str], bootstrap_port: int, router_url: str | None = None):
+    def __init__(self, nodes: dict[str, str], bootstrap_port: int, router_url: str | None = None,
+                 bootstrap_ports: list[int] | None = None):
         self.nodes, self.bootstrap_port, self.router_url = dict(nodes), bootstrap_port, router_url
+        self.bootstrap_ports = list(bootstrap_ports or [bootstrap_port])
         self.prefill_url = next(url for name, url in self.nodes.items() if name.startswith("prefill"))
         self.decode_url = next(url for name, url in self.nodes.items() if name.startswith("decode"))
 
@@ -168,7 +173,8 @@ class Target:
     def of_fleet(cls, fleet: PDFleet) -> Target:
         nodes = {f"prefill{i}": s.url for i, s in enumerate(fleet.prefills)}
         nodes.update({f"decode{i}": s.url for i, s in enumerate(fleet.decodes)})
-        return cls(nodes, int(fleet.prefills[0].bootstrap_port or 0), fleet.router.url)
+        ports = [int(s.bootstrap_port or 0) for s in fleet.prefills]
+        return cls(nodes, ports[0], fleet.router.url, ports)
 
     @classmethod
     def of_state(cls, state: dict[str, Any]) -> Target:
@@ -247,6 +253,39 @@ def send(target: Target, body: dict[str, Any], timeout: float, room: int | None 
     return status, ttft, int(meta.get("completion_tokens") or 0), err
 
 
+ROUTE_TABLE_QUERY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+FORGED_ROUTES = ("PUT /sglang_harden/abort", "PUT /sglang_harden/digest", "GET /sglang_harden/digest_feed",
+                 "GET /sglang_harden/aborts", "GET /route")
+
+
+def forge_control_requests(port: int, room: int) -> list[tuple[str, int]]:
+    """Forged control requests (no token) at one bootstrap port: (route, HTTP status) each; -1 unreachable. None
+    changes a vanilla server's routes: the writes go to sglang-harden's routes, which vanilla has not got."""
+    abort = {"room": room, "status_code": 400, "message": "forged by the soak", "sent_kv": False}
+    digest = {"room": room, "rank": 0, "values": [0] * 8}
+    calls = [("PUT", "/sglang_harden/abort", abort), ("PUT", "/sglang_harden/digest", digest),
+             ("GET", "/sglang_harden/digest_feed?since=0&epoch=&wait_ms=0", None),
+             ("GET", f"/sglang_harden/aborts?rooms={room}", None), ("GET", ROUTE_TABLE_QUERY, None)]
+    out = []
+    for (method, target, body), route in zip(calls, FORGED_ROUTES, strict=True):
+        try:
+            status, _ = http_json(method, f"http://127.0.0.1:{port}{target}", body, timeout=10.0)
+        except OSError:
+            status = -1
+        out.append((route, int(status)))
+    return out
+
+
+def forged_summary(counts: Counter[str]) -> dict[str, Any]:
+    """Forged control requests sent, refused with 401, and answered 2xx (accepted: a hole when hardened)."""
+    statuses = Counter()
+    for key, n in counts.items():
+        statuses[int(key.rsplit(" ", 1)[1])] += n
+    return {"sent": sum(counts.values()), "refused_401": statuses.get(401, 0),
+            "accepted": sum(n for status, n in statuses.items() if 200 <= status < 300),
+            "by_route": dict(sorted(counts.items()))}
+
+
 # ------------------------------------------------------------------------------------------ the load
 
 
@@ -283,6 +322,8 @@ class LoadRun:
         self.in_flight: dict[str, str] = {}  # rid -> kind
         self.burst_aborted: set[str] = set()
         self.samples: list[dict[str, Any]] = []
+        self.rooms: dict[str, int] = {}  # rid -> bootstrap room, requests paired directly and in flight
+        self.forged: Counter[str] = Counter()  # "<route> <status>" of the forged control requests
         self.lock = threading.Lock()
         self.stop_at = 0.0
 
@@ -291,6 +332,7 @@ class LoadRun:
         self.stop_at = start + self.load.duration_s
         threads = [threading.Thread(target=self._client, args=(w,), daemon=True) for w in range(self.load.concurrency)]
         threads.append(threading.Thread(target=self._late_writes, daemon=True))
+        threads.append(threading.Thread(target=self._forge_control, daemon=True))
         threads.append(threading.Thread(target=self._bursts, daemon=True))
         for thread in threads:
             thread.start()
@@ -310,15 +352,19 @@ class LoadRun:
             index += 1
             hang_up = kind == "disconnect"
             timeout = rng.uniform(*self.load.disconnect_after_s) if hang_up else self.load.request_timeout_s
+            room = None if self.target.router_url is not None else rng.randrange(2**62)
             with self.lock:
                 self.in_flight[body["rid"]] = kind
+                if room is not None:
+                    self.rooms[body["rid"]] = room
             t0 = time.monotonic()
-            status, ttft, tokens, err = send(self.target, body, timeout)
+            status, ttft, tokens, err = send(self.target, body, timeout, room=room)
             outcome = Outcome(kind, body["rid"], status, time.monotonic() - t0, ttft, tokens,
                               body["sampling_params"]["max_new_tokens"], error=err,
                               faults_injected=self.load.late_writes > 0)
             with self.lock:
                 self.in_flight.pop(body["rid"], None)
+                self.rooms.pop(body["rid"], None)
                 outcome.aborted_by_burst = body["rid"] in self.burst_aborted
                 self.outcomes.append(outcome)
 
@@ -339,6 +385,21 @@ class LoadRun:
                               body["sampling_params"]["max_new_tokens"], error=err)
             with self.lock:
                 self.outcomes.append(outcome)
+
+    def _forge_control(self) -> None:
+        """A caller without the secret: forged control requests at every prefill bootstrap port."""
+        rng = random.Random(self.load.seed + 13)
+        while self.load.forged_control_every_s > 0:
+            if not _sleep_until(min(time.monotonic() + self.load.forged_control_every_s, self.stop_at),
+                                self.stop_at):
+                return
+            with self.lock:
+                live = sorted(self.rooms.values())
+            room = rng.choice(live) if live else rng.randrange(2**62)
+            for port in self.target.bootstrap_ports:
+                for route, status in forge_control_requests(port, room):
+                    with self.lock:
+                        self.forged[f"{route} {status}"] += 1
 
     def _bursts(self) -> None:
         rng = random.Random(self.load.seed + 7)
@@ -489,6 +550,7 @@ class SoakReport:
     log_dir: str = ""
     # prefill refused or aborted a room -> decode acted on the notice: seconds, from the servers' decision lines
     notify_latency: dict[str, Any] = field(default_factory=dict)
+    forged_control: dict[str, Any] = field(default_factory=dict)
 
     def violations(self) -> list[str]:
         """What a hardened run must never show (empty: the run held every promise the soak checks)."""
@@ -497,6 +559,9 @@ class SoakReport:
             out.append("no KV tracer: foreign reads not judged")
         elif self.foreign_reads["rows"] or self.foreign_reads["tracer_errors"]:
             out.append(f"foreign reads: {self.foreign_reads}")
+        if self.forged_control.get("accepted"):
+            out.append(f"the control plane accepted {self.forged_control['accepted']} forged request(s): "
+                       f"{self.forged_control['by_route']}")
         by = self.summary["by_outcome"]
         for bad in ("oversized_served", "failed", "oversized_unanswered"):
             if by.get(bad):
@@ -557,7 +622,8 @@ def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtr
     summary = summarize(run.outcomes, run.samples, wall, load, decode_total, get_profile(topo.profile).page_size)
     trace = foreign_reads(read_kvtrace(kvtrace_dir)) if kvtrace_dir is not None else None
     return SoakReport(variant, asdict(topo), asdict(load), round(wall, 1), summary, trace, settled, refusals, log_dir,
-                      notify_summary(Path(log_dir)) if log_dir else {})
+                      notify_summary(Path(log_dir)) if log_dir else {},
+                      forged_summary(run.forged) if load.forged_control_every_s > 0 else {})
 
 
 def notify_summary(log_dir: Path) -> dict[str, Any]:
@@ -612,6 +678,9 @@ def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) ->
         ("throughput (tok/s)", lambda r: _fmt(r.summary["throughput_tokens_per_s"])),
         ("latency p50/p99 (s)", lambda r: f"{_fmt(r.summary['latency_p50_s'])}/{_fmt(r.summary['latency_p99_s'])}"),
         ("TTFT p50/p99 (s)", lambda r: f"{_fmt(r.summary['ttft_p50_s'])}/{_fmt(r.summary['ttft_p99_s'])}"),
+        ("forged control (sent/401/accepted)",
+         lambda r: "-" if not r.forged_control else
+         f"{r.forged_control['sent']}/{r.forged_control['refused_401']}/{r.forged_control['accepted']}"),
         ("violations", lambda r: len(r.violations())),
     ]
     width = max(len(name) for name, _ in rows)

@@ -8,7 +8,9 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
 - ``prefill_limit_below_decode``: a prefill node accepts shorter prompts than a decode node (the incident's
   precondition: a prompt between the two limits is rejected by prefill but reserved by decode);
 - ``guards_missing``: neither an sglang-harden report in server info (``internal_states[i].sglang_harden``:
-  armed guards and decision counts) nor guard decisions on ``/metrics``.
+  armed guards and decision counts) nor guard decisions on ``/metrics``;
+- ``control_plane_unauthenticated``: a hardened PD node reports that its control plane (the bootstrap routes)
+  is not authenticated (no ``--harden-bootstrap-secret-file``), or only logs failed tokens.
 
 Exit codes (a deploy gate): 0 every node audited, no findings (except those named with ``--ignore``);
 1 findings; 2 at least one node could not be audited (unreachable, timed out, malformed answer) -- this wins
@@ -29,7 +31,8 @@ from sglang_harden.tools._render import dump_json, table
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNAUDITED = 0, 1, 2
 SAMPLE_RE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-FINDING_CODES = ("pool_below_context", "prefill_limit_below_decode", "guards_missing")
+FINDING_CODES = ("pool_below_context", "prefill_limit_below_decode", "guards_missing",
+                 "control_plane_unauthenticated")
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -65,6 +68,7 @@ class Node:
     metrics: str = "unknown"  # "ok" | "unavailable: ..." | "unknown"
     guards: dict[str, dict[str, float]] = field(default_factory=dict)
     armed_guards: list[str] = field(default_factory=list)  # from /server_info internal_states[].sglang_harden
+    control_plane_auth: str | None = None  # enforce | log | unauthenticated (None: not reported)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -149,6 +153,9 @@ def _fill_harden_report(node: Node, info: dict) -> None:
         report = state.get("sglang_harden") if isinstance(state, dict) else None
         if not isinstance(report, dict):
             continue
+        auth = report.get("control_plane_auth")
+        if isinstance(auth, str):
+            node.control_plane_auth = auth
         guards = report.get("guards")
         if isinstance(guards, list):
             node.armed_guards = sorted({*node.armed_guards, *(str(g) for g in guards)})
@@ -247,6 +254,11 @@ def findings(nodes: list[Node]) -> list[Finding]:
                         "--mem-fraction-static or lower --context-length)",
                     )
                 )
+        if node.role in ("prefill", "decode") and node.control_plane_auth in ("unauthenticated", "log"):
+            out.append(Finding("control_plane_unauthenticated", node.url,
+                               f"control plane {node.control_plane_auth}: anyone who reaches the bootstrap port can "
+                               "register KV routes and post abort notices (set --harden-bootstrap-secret-file; "
+                               "README 'Security')"))
         if node.armed_guards or node.guards:
             continue
         if node.metrics != "ok":
@@ -307,11 +319,12 @@ def render_text(nodes: list[Node], found: list[Finding], code: int, ignored: tup
             n.pool_tokens,
             n.max_req_input_len,
             n.transfer_backend,
+            n.control_plane_auth or "-",
             "ERROR" if n.error else _guards_cell(n),
         ]
         for n in nodes
     ]
-    headers = ["node", "role", "context", "pool tokens", "max_req_input_len", "backend", "guards"]
+    headers = ["node", "role", "context", "pool tokens", "max_req_input_len", "backend", "control plane", "guards"]
     lines = [table(headers, rows, 90)]
     errors = [n for n in nodes if n.error]
     if errors:

@@ -220,6 +220,8 @@ def build_rows(
     modes, _ = guard_modes(environ)
     if environ.get("SGLANG_HARDEN_ACTIVATE", "").strip() == "0":  # installed but switched off
         modes = dict.fromkeys(modes, "off")
+    if control_plane_auth(launch_args, environ, modes) == "unauthenticated":
+        modes = {**modes, "bootstrap_auth": "off"}  # nothing to check tokens against: not armed
     rows = []
     for prot in P.PROTECTIONS:
         native = natives[prot.key]
@@ -264,6 +266,17 @@ def _verdict(native: P.Native, on: bool | None, supplied: bool | None) -> str:
 # ---------------------------------------------------------------------------------------------- output
 
 
+def control_plane_auth(launch_args: list[str], environ: dict[str, str], modes: dict[str, str]) -> str:
+    """What the bootstrap_auth guard will do on a server started with these settings: its mode when a secret
+    file is configured (env or launcher flag), else "unauthenticated"."""
+    secret_file = environ.get("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE") or _flag_value(
+        "--harden-bootstrap-secret-file", launch_args)
+    mode = _flag_value("--harden-bootstrap-auth", launch_args) or modes.get("bootstrap_auth", "off")
+    if not secret_file or secret_file == "set" or mode == "off":
+        return "unauthenticated"
+    return mode
+
+
 def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) -> dict:
     version = tree.version()
     natives = P.inspect_tree(tree)
@@ -278,7 +291,8 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
             "abort_field": sorted(P.abort_fields(tree)),
         },
         "harden": {**asdict(harden), "config_error": config_error, "digest_kernel": digest_kernel(),
-                   "ledger_kernel": ledger_kernel()},
+                   "ledger_kernel": ledger_kernel(),
+                   "control_plane_auth": control_plane_auth(launch_args, environ, guard_modes(environ)[0])},
         "protections": [_row_json(r) for r in rows],
         "missing": [r.key for r in rows if r.missing],
         "ok": not any(r.missing for r in rows),
@@ -330,6 +344,11 @@ def render_text(data: dict, verbose: bool) -> str:
             lines.append(hd["note"])
     if hd.get("config_error"):
         lines.append(f"sglang-harden config error: {hd['config_error']}")
+    auth = hd.get("control_plane_auth")
+    if auth == "unauthenticated":
+        lines.append("PD control plane: UNAUTHENTICATED (no --harden-bootstrap-secret-file; README 'Security')")
+    elif auth:
+        lines.append(f"PD control plane: authenticated ({auth})")
     kernel = hd.get("digest_kernel")
     if kernel:
         lines.append(f"checksum digest on CPU tensors: {kernel['cpu_path']} ({kernel['detail']})")

@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefills", type=int, default=1, help="prefill servers; >1 (or --decodes >1): a fleet"
                         " behind sglang-router")
     parser.add_argument("--decodes", type=int, default=1, help="decode servers (e.g. --prefills 2 --decodes 2)")
+    parser.add_argument("--decode-pool-tokens", type=int, default=2048,
+                        help="each decode server's KV pool (--max-total-tokens; default 2048)")
+    parser.add_argument("--prefill-pool-tokens", type=int, default=640,
+                        help="each prefill server's KV pool (default 640: below the context, so oversized prompts"
+                        " reach the incident)")
     parser.add_argument("--state", type=Path, help="drive a pair started by 'sglang-harden testbed start'")
     variant = parser.add_mutually_exclusive_group()
     variant.add_argument("--compare", action="store_true", help="vanilla, then hardened, same load; ratios")
@@ -48,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests whose KV write lands late after a failed engine call (test-only shim;"
                         " requests paired directly, so not with --router or a fleet)")
     parser.add_argument("--late-write-delay", type=float, default=8.0, help="seconds until a late write lands")
+    parser.add_argument("--forged-control-every", type=float, default=5.0,
+                        help="seconds between rounds of forged control-plane requests (no secret) at every prefill"
+                        " bootstrap port; a hardened run must refuse them all (0 = none)")
     parser.add_argument("--log-dir", type=Path, help="where server logs and traces go (default: a temp folder)")
     parser.add_argument("--json", action="store_true", help="print the reports as JSON")
 
@@ -63,7 +71,8 @@ def _load(args: argparse.Namespace) -> SoakLoad:
     return SoakLoad(duration_s=args.duration, concurrency=args.concurrency, tenants=args.tenants, seed=args.seed,
                     oversized_share=args.oversized_share, disconnect_share=args.disconnect_share,
                     abort_burst_every_s=args.abort_burst_every, abort_burst_size=args.abort_burst_size,
-                    late_writes=args.late_writes, late_write_delay_s=args.late_write_delay)
+                    late_writes=args.late_writes, late_write_delay_s=args.late_write_delay,
+                    forged_control_every_s=args.forged_control_every)
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -74,6 +83,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--oversized-share and --disconnect-share must be >= 0 and add up to at most 1"
     if args.state is None and not args.pin:
         return "give --pin (start a topology) or --state (drive a running one)"
+    if args.prefill_pool_tokens < 64 or args.decode_pool_tokens < 64:
+        return "--prefill-pool-tokens and --decode-pool-tokens must be at least 64"
+    if args.forged_control_every < 0:
+        return "--forged-control-every must be >= 0"
     if args.late_writes < 0 or args.late_write_delay <= 0:
         return "--late-writes must be >= 0 and --late-write-delay positive"
     if args.late_writes and (args.router or args.prefills > 1 or args.decodes > 1 or args.state is not None):
@@ -96,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_state(args, load)
     fleet = args.prefills > 1 or args.decodes > 1
     topo = soak.SoakTopology(pin=args.pin, backend=args.backend, profile=args.profile, router=args.router or fleet,
-                             prefills=args.prefills, decodes=args.decodes)
+                             prefills=args.prefills, decodes=args.decodes,
+                             prefill_max_total_tokens=args.prefill_pool_tokens,
+                             decode_max_total_tokens=args.decode_pool_tokens)
     root = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-harden-soak-"))
     variants = [False, True] if args.compare else [False] if args.vanilla else [True]
     reports = []

@@ -220,6 +220,124 @@ def test_guards_armed_in_scheduler_processes_via_launcher(pairs: PairFactory, pi
         assert {"admission", "retire", "coverage", "abort_notify"} <= set(state.get("guards", [])), state
 
 
+def _forged_control_requests(room: int) -> list[tuple[str, str, bytes]]:
+    """What an attacker on the network would send to prefill's bootstrap port: register itself as a prefill
+    rank, kill the victim's room with a forged abort notice, poison its digest, read the digest feed and the
+    route table."""
+    import json
+
+    registration = {"role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                    "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
+                    "system_dp_rank": 0, "rank_ip": "127.0.0.2", "rank_port": 1, "page_size": 1,
+                    "kv_cache_dtype": "auto"}
+    abort = {"room": room, "status_code": 400, "message": "forged", "sent_kv": False}
+    digest = {"room": room, "rank": 0, "values": [0] * 8}
+    return [
+        ("PUT", "/route", json.dumps(registration).encode()),
+        ("PUT", "/sglang_harden/abort", json.dumps(abort).encode()),
+        ("PUT", "/sglang_harden/digest", json.dumps(digest).encode()),
+        ("GET", f"/sglang_harden/digest_feed?rooms={room}", b""),
+        ("GET", f"/sglang_harden/aborts?rooms={room}", b""),
+        ("GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1", b""),
+        ("POST", "/register_dp_rank", json.dumps({"bootstrap_room": room, "dp_rank": 0}).encode()),
+    ]
+
+
+def _bootstrap_call(port: int, method: str, target: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{target}", data=body or None, method=method,
+                                     headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pin: str) -> None:
+    """The testbed gives every hardened server its control-plane secret file. While a victim request is in
+    flight (direct, on a room we chose, and through sglang-router), a caller without the secret gets 401 on every
+    control route; the victim completes with exactly its reference output. A valid signed request replayed is
+    refused. Every refusal is a decision line on prefill (its bootstrap server runs in the HTTP process)."""
+    import threading
+
+    from sglang_harden.guards.bootstrap_auth import HEADER, parse_secrets, sign
+
+    pair = pairs("hardened")
+    for server in (pair.prefill, pair.decode):
+        state = _harden_state(server)
+        assert state.get("control_plane_auth") == "enforce" and "bootstrap_auth" in state["guards"], state
+    port = pair.prefill.bootstrap_port
+    assert port is not None
+    body = greedy_body(tenant_a_prompt(21, 120), SETUP.new_tokens)
+    reference = pair.generate(dict(body, rid="auth-reference"))
+    assert reference.decode.ok, reference.decode.summary()
+    refusals_before = pair.prefill.log_text().count('"guard": "bootstrap_auth"')
+
+    room = 4_242_000 + len(pin)
+    victims: dict[str, Any] = {}
+    direct = threading.Thread(target=lambda: victims.update(direct=pair.generate(dict(body, rid="auth-victim"),
+                                                                                  room=room)))
+    routed = threading.Thread(target=lambda: victims.update(router=pair.generate_via_router(
+        dict(body, rid="auth-victim-router"))))
+    direct.start()
+    routed.start()
+    forged = _forged_control_requests(room)
+    statuses = [_bootstrap_call(port, method, target, data) for method, target, data in forged]
+    direct.join(120)
+    routed.join(120)
+    assert statuses == [401] * len(forged), list(zip([f[1] for f in forged], statuses, strict=True))
+    assert victims["direct"].decode.ok, victims["direct"].decode.summary()
+    assert victims["direct"].decode.output_ids == reference.decode.output_ids
+    assert victims["router"].ok and victims["router"].output_ids == reference.decode.output_ids
+
+    secret = parse_secrets(pair.prefill.secret_file.read_text())
+    target = f"/sglang_harden/aborts?rooms={room}"
+    signed = {HEADER: sign(secret, "GET", target, b"")}
+    assert _bootstrap_call(port, "GET", target, b"", signed) == 200, "a holder of the secret is served"
+    assert _bootstrap_call(port, "GET", target, b"", signed) == 401, "the same token replayed"
+    refusals = pair.prefill.log_text().count('"guard": "bootstrap_auth"') - refusals_before
+    assert refusals == len(forged) + 1, refusals
+    after = pair.generate(dict(body, rid="auth-after"))
+    assert after.decode.ok and after.decode.output_ids == reference.decode.output_ids, "the route table held"
+
+
+def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) -> None:
+    """Rotate the control-plane secret node by node, in place (each process re-reads its file within a second),
+    while requests keep coming: add the next secret second on decode, make it first on prefill, first on decode,
+    then drop the old one on prefill and decode. Every request is served."""
+    import secrets
+    import threading
+
+    pair = pairs("hardened")
+    old, new = pair.prefill.secret_file.read_text().strip(), secrets.token_hex(32)
+    steps = [(pair.decode, [old, new]), (pair.prefill, [new, old]), (pair.decode, [new, old]),
+             (pair.prefill, [new]), (pair.decode, [new])]
+    statuses: list[int] = []
+    done = threading.Event()
+
+    def traffic() -> None:
+        seed = 40
+        while not done.is_set():
+            result = pair.generate(greedy_body(tenant_a_prompt(seed, 80), 4))
+            statuses.append(result.decode.status if result.prefill.ok else result.prefill.status)
+            seed += 1
+
+    runner = threading.Thread(target=traffic)
+    runner.start()
+    try:
+        for server, keys in steps:
+            server.secret_file.write_text("\n".join(keys) + "\n")
+            time.sleep(2.5)  # re-read within a second; a request or two under the new files
+    finally:
+        done.set()
+        runner.join(120)
+    assert statuses and set(statuses) == {200}, statuses
+    assert "re-read" in pair.prefill.log_text(), "prefill's bootstrap server picked up each change"
+
+
 def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     """Auto-truncate: prefill sends KV for 250 tokens, decode reserved 300. Vanilla serves it; hardened aborts."""
     body = greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="trunc-B")
@@ -289,3 +407,4 @@ def test_normal_requests_unchanged(pairs: PairFactory, pin: str) -> None:
         assert all(r.decode.ok for r in results), [r.decode.summary() for r in results]
         outputs[kind] = [r.decode.output_ids for r in results]
     assert outputs["vanilla-truncate"] == outputs["hardened-truncate"]
+

@@ -9,6 +9,10 @@ lists, pool occupancy at quiesce).
 - 0.5.23/NIXL, hardened only, on a fleet of 2 prefill + 2 decode servers behind sglang-router (vanilla 0.5.23
   refuses the oversized prompt at prefill upstream, so without a transfer fault the soak has no foreign read to
   show there): the same promises under load, with requests spread over both pairs of nodes by the router.
+- Both: a caller without the control-plane secret sends forged requests to every prefill bootstrap port every
+  5 s (an abort notice for a room in flight, a digest, reads of the digest feed, the abort board and the route
+  table). Hardened (the testbed gives every server the secret) refuses each with 401 while the load runs;
+  vanilla answers the route-table read to anyone.
 
 The long soak (600 s, concurrency 32) is ``scripts/soak.py``; this one keeps CI short.
 """
@@ -20,13 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from sglang_harden.testbed.soak import SoakLoad, SoakReport, SoakTopology, compare, render, run_variant
+from sglang_harden.testbed.soak import FORGED_ROUTES, SoakLoad, SoakReport, SoakTopology, compare, render, run_variant
 
 pytestmark = pytest.mark.e2e
 
-LOAD = SoakLoad(duration_s=40.0, concurrency=6, tenants=3, seed=1, oversized_share=0.08, abort_burst_every_s=10.0)
+LOAD = SoakLoad(duration_s=40.0, concurrency=6, tenants=3, seed=1, oversized_share=0.08, abort_burst_every_s=10.0,
+                forged_control_every_s=5.0)
 # four servers on two cores answer about a quarter as fast: more oversized prompts so some are drawn
-FLEET_LOAD = SoakLoad(duration_s=45.0, concurrency=4, tenants=3, seed=2, oversized_share=0.2, abort_burst_every_s=15.0)
+FLEET_LOAD = SoakLoad(duration_s=45.0, concurrency=4, tenants=3, seed=2, oversized_share=0.2, abort_burst_every_s=15.0,
+                      forged_control_every_s=5.0)
 COMPARE, FLEET = "0.5.19/mooncake", "0.5.23/nixl"
 CASES = [COMPARE, FLEET]
 
@@ -61,6 +67,8 @@ def test_hardened_holds_every_promise_under_load(pin: str, reports: dict[str, So
         traced = list((Path(hardened.log_dir) / "kvtrace").glob("kvtrace-*.jsonl"))
         assert len(hardened.quiesce) == 4 and len(traced) == 2, (hardened.quiesce.keys(), traced)
     assert hardened.foreign_reads is not None and hardened.foreign_reads["traced_first_decodes"] >= by["ok"]
+    forged = hardened.forged_control  # forged abort notices for rooms in flight, digests, reads: all refused
+    assert forged["sent"] >= 5 * len(FORGED_ROUTES) and forged["refused_401"] == forged["sent"], forged
 
 
 def test_vanilla_serves_foreign_kv_under_the_same_load(pin: str, reports: dict[str, SoakReport]) -> None:
@@ -71,3 +79,5 @@ def test_vanilla_serves_foreign_kv_under_the_same_load(pin: str, reports: dict[s
     assert vanilla.foreign_reads is not None and vanilla.foreign_reads["rows"] > 0, render([vanilla], None)
     ratios = compare(vanilla, reports["hardened"])
     assert ratios["throughput_tokens_per_s"] is not None, ratios
+    forged = vanilla.forged_control  # no authentication: the route table is read by anyone
+    assert forged["by_route"].get("GET /route 200", 0) >= 1, forged

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,73 @@ def test_config_bad_value_is_a_clear_error() -> None:
         load_config({"SGLANG_HARDEN_QUARANTINE_CAP_PAGES": "-3"})
     with pytest.raises(ConfigError):
         flag_to_env("--harden-admission", "sometimes")
+
+
+def _with_config(monkeypatch: pytest.MonkeyPatch, **changes: object) -> None:
+    import dataclasses
+
+    from sglang_harden.compat.runtime import RUNTIME
+
+    monkeypatch.setattr(RUNTIME, "config", dataclasses.replace(RUNTIME.config, **changes))
+
+
+def _auth_hook() -> object:
+    from sglang_harden.compat.hooks import Hook
+
+    return Hook("bootstrap_auth", "sglang_harden_test_never_imported", "Server._setup_routes", ("self",),
+                lambda original: original)
+
+
+def test_bootstrap_auth_is_not_armed_without_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_harden import compat
+    from sglang_harden.compat import control_auth
+    from sglang_harden.compat.runtime import RUNTIME
+
+    _with_config(monkeypatch, bootstrap_secret_file="")
+    monkeypatch.delenv("SGLANG_HARDEN_BOOTSTRAP_AUTH", raising=False)
+    monkeypatch.setattr(RUNTIME, "armed", ())
+    compat._check_control_auth([_auth_hook()])
+    compat._register_enabled([_auth_hook()])
+    assert "bootstrap_auth" not in RUNTIME.armed
+    assert control_auth.status() == "unauthenticated"
+
+
+def test_bootstrap_auth_armed_with_a_secret_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from sglang_harden import compat
+    from sglang_harden.compat import control_auth
+    from sglang_harden.compat.runtime import RUNTIME
+
+    secret = tmp_path / "secret"
+    secret.write_text("k" * 40 + "\n")
+    secret.chmod(0o600)
+    _with_config(monkeypatch, bootstrap_secret_file=str(secret))
+    monkeypatch.setattr(RUNTIME, "armed", ())
+    compat._check_control_auth([_auth_hook()])
+    compat._register_enabled([_auth_hook()])
+    assert "bootstrap_auth" in RUNTIME.armed
+    assert control_auth.status() == "enforce"
+
+
+def test_control_auth_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from sglang_harden import compat
+    from sglang_harden.compat.runtime import HardenRefusal
+
+    _with_config(monkeypatch, bootstrap_secret_file="")
+    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_AUTH", "enforce")
+    with pytest.raises(HardenRefusal, match="needs a secret"):
+        compat._check_control_auth([_auth_hook()])
+    monkeypatch.delenv("SGLANG_HARDEN_BOOTSTRAP_AUTH")
+    weak = tmp_path / "weak"
+    weak.write_text("hunter2\n")
+    _with_config(monkeypatch, bootstrap_secret_file=str(weak))
+    with pytest.raises(HardenRefusal) as refused:
+        compat._check_control_auth([_auth_hook()])
+    assert "hunter2" not in str(refused.value) and "at least 32" in str(refused.value)
+    _with_config(monkeypatch, bootstrap_secret_file=str(tmp_path / "missing"))
+    with pytest.raises(HardenRefusal, match="cannot read"):
+        compat._check_control_auth([_auth_hook()])
+    good = tmp_path / "good"
+    good.write_text("g" * 40 + "\n")
+    _with_config(monkeypatch, bootstrap_secret_file=str(good))
+    with pytest.raises(HardenRefusal, match="not available on SGLang"):
+        compat._check_control_auth([])  # a family with nothing to hook it into (0.4.9)

@@ -211,3 +211,15 @@ def test_notify_latency_pairs_prefill_refusal_with_decode_abort_of_the_same_room
         line(guard="abort_notify", decision="abort", room=8, ts=100.5),  # prefill allowed 8: not a refusal
     ])
     assert notify_latencies([prefill], [decode]) == {7: 0.25}
+
+
+def test_forged_control_summary_and_violation() -> None:
+    from collections import Counter
+
+    refused = soak.forged_summary(Counter({"PUT /sglang_harden/abort 401": 3, "GET /route 401": 3}))
+    assert (refused["sent"], refused["refused_401"], refused["accepted"]) == (6, 6, 0)
+    assert _report(forged_control=refused).violations() == []
+    leaked = soak.forged_summary(Counter({"PUT /sglang_harden/abort 401": 3, "GET /route 200": 2,
+                                          "GET /sglang_harden/aborts -1": 1}))
+    assert (leaked["sent"], leaked["refused_401"], leaked["accepted"]) == (6, 3, 2)
+    assert "accepted 2 forged" in _report(forged_control=leaked).violations()[0]

@@ -157,3 +157,19 @@ def test_guards_from_server_info_report(capsys: pytest.CaptureFixture[str]) -> N
     assert code == 0, data
     assert data["nodes"][0]["armed_guards"] == ["admission", "retire"]
     assert data["nodes"][0]["guards"] == {"admission": {"reject": 2}}
+
+
+@pytest.mark.parametrize("auth,flagged", [("unauthenticated", True), ("log", True), ("enforce", False)])
+def test_unauthenticated_control_plane_is_a_finding(capsys: pytest.CaptureFixture[str], auth: str,
+                                                    flagged: bool) -> None:
+    node = FakeNode(role="decode", pool_tokens=600, metrics=False)
+    info = node.server_info()
+    info["internal_states"][0]["sglang_harden"] = {"guards": ["admission"], "control_plane_auth": auth}
+    routes = node.routes()
+    routes[("GET", "/server_info")] = json_route(info)
+    with serve(routes) as url:
+        code, data = run_audit(capsys, url)
+    assert data["nodes"][0]["control_plane_auth"] == auth
+    codes = [f["code"] for f in data["findings"]]
+    assert codes == (["control_plane_unauthenticated"] if flagged else []), data
+    assert code == (1 if flagged else 0)

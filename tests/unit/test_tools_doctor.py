@@ -216,3 +216,18 @@ def test_activation_switched_off_supplies_nothing(
     main(["doctor", "--sglang-root", str(tmp_path), "--json"])
     rows = json.loads(capsys.readouterr().out)["protections"]
     assert not any(r["supplied_by_harden"] for r in rows)
+
+
+@pytest.mark.parametrize("launch_args,environ,expected", [
+    ([], {}, "unauthenticated"),
+    ([], {"SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE": "/etc/pd.secret"}, "enforce"),
+    (["--harden-bootstrap-secret-file", "/etc/pd.secret"], {}, "enforce"),
+    (["--harden-bootstrap-secret-file", "/etc/pd.secret", "--harden-bootstrap-auth", "log"], {}, "log"),
+    ([], {"SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE": "/etc/pd.secret", "SGLANG_HARDEN_BOOTSTRAP_AUTH": "off"},
+     "unauthenticated"),
+])
+def test_control_plane_auth_is_reported_truthfully(launch_args: list[str], environ: dict[str, str],
+                                                   expected: str) -> None:
+    from sglang_harden.tools.doctor import control_plane_auth, guard_modes
+
+    assert control_plane_auth(launch_args, environ, guard_modes(environ)[0]) == expected
