@@ -305,16 +305,18 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
 
 
 def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) -> None:
-    """Rotate the control-plane secret node by node, in place (each process re-reads its file within a second),
-    while requests keep coming: add the next secret second on decode, make it first on prefill, first on decode,
-    then drop the old one on prefill and decode. Every request is served."""
+    """Rotate the control-plane secret node by node, in place, as README says: add the next secret second
+    everywhere, make it first everywhere, then drop the old one. Requests keep coming, and every one is served.
+    Each process re-reads its file within a second, and a node's processes (its scheduler signs, its HTTP
+    process checks) re-read at different moments. So a step may start signing with a secret only once every
+    checker accepts it. The first CI run skipped the "second everywhere" step on prefill and lost a request."""
     import secrets
     import threading
 
     pair = pairs("hardened")
     old, new = pair.prefill.secret_file.read_text().strip(), secrets.token_hex(32)
-    steps = [(pair.decode, [old, new]), (pair.prefill, [new, old]), (pair.decode, [new, old]),
-             (pair.prefill, [new]), (pair.decode, [new])]
+    steps = [(pair.decode, [old, new]), (pair.prefill, [old, new]), (pair.decode, [new, old]),
+             (pair.prefill, [new, old]), (pair.decode, [new]), (pair.prefill, [new])]
     statuses: list[int] = []
     done = threading.Event()
 
