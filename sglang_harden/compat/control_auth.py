@@ -33,8 +33,6 @@ logger = logging.getLogger("sglang_harden")
 
 OPEN_PATHS = frozenset({"/health"})
 SIGNING_MARK = "__sglang_harden_signing__"
-
-
 RELOAD_EVERY_S = 1.0
 
 
@@ -106,8 +104,7 @@ def load(config: HardenConfig) -> ControlAuth | None:
 def _read(path: Path, max_age_s: float) -> ControlAuth:
     try:
         text = path.read_text()
-        stamp = _stamp(path)
-        mode = path.stat().st_mode
+        info = path.stat()
     except OSError as exc:
         raise HardenRefusal(f"sglang-harden: cannot read the bootstrap secret file {path}: "
                             f"{exc.strerror or exc}") from None
@@ -115,11 +112,11 @@ def _read(path: Path, max_age_s: float) -> ControlAuth:
         keyring = bootstrap_auth.parse_secrets(text)
     except bootstrap_auth.SecretFileError as exc:
         raise HardenRefusal(f"sglang-harden: {path}: {exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning("sglang-harden: the bootstrap secret file %s is readable by group or others (mode %o); "
-                       "chmod 600 it", path, stat.S_IMODE(mode))
-    return ControlAuth(path, keyring, bootstrap_auth.NonceCache(2 * max_age_s + 5), max_age_s, stamp,
-                       time.monotonic())
+                       "chmod 600 it", path, stat.S_IMODE(info.st_mode))
+    return ControlAuth(path, keyring, bootstrap_auth.NonceCache(2 * max_age_s + 5), max_age_s,
+                       (info.st_mtime_ns, info.st_size), time.monotonic())
 
 
 def current() -> ControlAuth | None:

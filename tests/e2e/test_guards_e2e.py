@@ -29,6 +29,7 @@ from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import IncidentSetup, start_incident_pair, tenant_a_prompt, tenant_b_prompt
 from sglang_harden.testbed.server import PDPair, Server
+from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY
 
 pytestmark = pytest.mark.e2e
 
@@ -238,7 +239,7 @@ def _forged_control_requests(room: int) -> list[tuple[str, str, bytes]]:
         ("PUT", "/sglang_harden/digest", json.dumps(digest).encode()),
         ("GET", f"/sglang_harden/digest_feed?rooms={room}", b""),
         ("GET", f"/sglang_harden/aborts?rooms={room}", b""),
-        ("GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1", b""),
+        ("GET", ROUTE_TABLE_QUERY, b""),
         ("POST", "/register_dp_rank", json.dumps({"bootstrap_room": room, "dp_rank": 0}).encode()),
     ]
 

@@ -36,6 +36,7 @@ from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
 from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
 from sglang_harden.testbed.procs import free_port  # noqa: E402
+from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY  # noqa: E402
 
 SECRET = "s" * MIN_SECRET_CHARS
 NEXT = "t" * MIN_SECRET_CHARS
@@ -121,8 +122,7 @@ def test_sglang_bootstrap_client_signs_and_is_served(server: dict[str, Any]) -> 
     assert answer.status_code == 200, answer.text
     assert _state(server["server"]) != before, "the registration took effect"
     session = server["conn"].requests.Session()
-    route_table = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-    assert session.get(server["base"] + route_table, timeout=10).status_code < 500
+    assert session.get(server["base"] + ROUTE_TABLE_QUERY, timeout=10).status_code < 500
 
 
 def test_forged_stale_and_replayed_tokens_are_refused(server: dict[str, Any]) -> None:
