@@ -826,6 +826,15 @@ def _hold_sources(original: Func) -> Func:
     return add_transfer_request
 
 
+def chunks_queued(room: int) -> bool:
+    """Whether a KV chunk of ``room`` was handed to this prefill's transfer engine (and its sources not yet
+    let go). Without a prefill node (lifecycle off) nobody knows: True."""
+    node = NODE
+    if not isinstance(node, PrefillNode):
+        return True
+    return room in node.holds or room in node.pending or room in node.failed_writes
+
+
 def _will_enqueue(mgr: Any, room: int) -> bool:
     status = mgr.request_status.get(room)
     return status is not None and status != _kv_poll().failed and room in mgr.transfer_infos

@@ -25,16 +25,19 @@ from sglang_harden.compat.shared import (
     door,
     in_scheduler,
     peer_status_abort,
+    publish_peer_abort,
     publish_retired_abort,
     report_state,
     retire_final_send,
     role_of,
+    room_of,
     tokenization_refusal,
     tokenizer_learns_limit,
     validation_refusal,
     watch_receiver,
 )
-from sglang_harden.guards import coverage
+from sglang_harden.config import Mode
+from sglang_harden.guards import abort_notify, coverage
 from sglang_harden.guards.admission import PendingRejection
 from sglang_harden.guards.base import Decision
 
@@ -161,6 +164,52 @@ DIGEST_READER = kv_digest.DigestReader(
 # ---------------------------------------------------------------- abort notification
 
 
+def _publish_bootstrap_failure(original: Func) -> Func:
+    """Prefill's handshake for a request failed (the client hung up, a bootstrap error): decode, which holds
+    pages for it, is told at once instead of waiting out its own timeout (and then SGLang's deferred-release
+    timeout, 30 s more). Whether a KV chunk of the room was ever queued is read before SGLang frees the
+    request's pages, which ends the lifecycle node's record of the room."""
+
+    def handle_bootstrap_failure(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        room = room_of(req)
+        queued = room is None or _chunks_may_be_queued(self, room)
+        result = original(self, req, *args, **kwargs)
+        reason = getattr(getattr(req, "finished_reason", None), "message", None) or "bootstrap failed"
+        decision = abort_notify.decide_on_bootstrap_failure(str(req.rid), room, str(reason), queued)
+        if events.record(decision, RUNTIME.config.abort_notify, role="prefill"):
+            publish_peer_abort(room, decision, sent_kv=queued)
+        return result
+
+    return handle_bootstrap_failure
+
+
+def _chunks_may_be_queued(scheduler: Any, room: int) -> bool:
+    """False only when this prefill is one rank (no other rank's chunks to vouch for) and its lifecycle node
+    saw no chunk of ``room`` handed to the transfer engine."""
+    if int(getattr(scheduler, "tp_size", 1) or 1) > 1:
+        return True
+    return lifecycle_v05.chunks_queued(room)
+
+
+def _release_when_never_written(original: Func) -> Func:
+    """SGLang's deferred KV release holds an aborted room's pages until prefill acks that its writes drained.
+    A prefill that failed the room during its handshake never acks (its sender is gone) and said so on the abort
+    board: release then, instead of after the 30 s deferred-release timeout."""
+
+    def is_abort_release_safe(self: Any, bootstrap_room: int, required_acks: int, *args: Any, **kwargs: Any) -> Any:
+        if original(self, bootstrap_room, required_acks, *args, **kwargs):
+            return True
+        watcher = RUNTIME.watcher
+        hit = watcher.hit(int(bootstrap_room)) if watcher is not None else None
+        if hit is None or hit.sent_kv:
+            return False
+        decision = abort_notify.decide_on_pending_release(int(bootstrap_room), hit.sent_kv)
+        events.record(decision, RUNTIME.config.abort_notify, room=bootstrap_room)
+        return RUNTIME.config.abort_notify is Mode.ENFORCE
+
+    return is_abort_release_safe
+
+
 # ---------------------------------------------------------------- start-up: capacity gate, verification
 
 
@@ -251,6 +300,10 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
          watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),
+    Hook("abort_notify", PREFILL, "SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure", ("self", "req"),
+         _publish_bootstrap_failure),
+    Hook("abort_notify", CONN, "CommonKVManager.is_abort_release_safe", ("self", "bootstrap_room", "required_acks"),
+         _release_when_never_written),
     *_retired_result_hooks(),
     Hook("abort_notify", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
          validation_refusal),

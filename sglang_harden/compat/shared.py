@@ -246,13 +246,13 @@ def watch_receiver(original: Func) -> Func:
 def fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
+    never_started = RUNTIME.writer_never_started
+    if not abort.sent_kv and never_started is not None:  # a fact from prefill, whatever decode does next
+        never_started(int(abort.room), str(getattr(receiver, "bootstrap_addr", "")))
     if getattr(receiver, "conclude_state", None) is not None:
         return
     decision = decide_on_peer_abort(str(abort.room), transfer_may_be_in_flight=abort.sent_kv, writer_drained=False)
     if events.record(decision, RUNTIME.config.abort_notify, room=abort.room, peer_reason=abort.message):
-        never_started = RUNTIME.writer_never_started
-        if not abort.sent_kv and never_started is not None:
-            never_started(int(abort.room), str(getattr(receiver, "bootstrap_addr", "")))
         receiver.kv_mgr.record_failure(abort.room, abort.message)
         receiver.kv_mgr.update_status(abort.room, KVPoll.Failed)
 

@@ -51,6 +51,28 @@ def decide_on_prefill_abort(rid: str, room: int | None, message: str, status_cod
                                                                        "pages": PAGES_QUARANTINE})
 
 
+def decide_on_bootstrap_failure(rid: str, room: int | None, message: str, chunks_queued: bool) -> Decision:
+    """Prefill's handshake for a request failed (the client hung up, decode went away, a bootstrap error) before
+    its transfer could run. Decode is holding pages for it and would wait out its own timeout: ABORT there too.
+    When no KV chunk of the room was ever queued for sending, decode may release at once; otherwise (or when
+    that is unknown) it quarantines until the writer drains."""
+    if room is None:
+        return Decision(GUARD, Verdict.SKIP, "no bootstrap room: not a PD request", None, {"rid": rid})
+    pages = PAGES_QUARANTINE if chunks_queued else PAGES_RELEASE
+    reason = f"prefill gave up on request {rid} during its handshake: {message}"
+    return Decision(GUARD, Verdict.ABORT, reason, 500, {"rid": rid, "room": room, "pages": pages})
+
+
+def decide_on_pending_release(room: int, peer_sent_kv: bool | None) -> Decision:
+    """Decode holds an aborted room's pages until prefill acknowledges that its writes drained. Prefill said it
+    never queued a write for the room (``peer_sent_kv`` False): nothing can land, RELEASE without the ack.
+    Anything else (no notice, or a notice that KV may have gone out): keep waiting (SKIP)."""
+    if peer_sent_kv is False:
+        return Decision(GUARD, Verdict.RELEASE, f"prefill never queued a KV write for room {room}; released "
+                        "without waiting for a drain ack", None, {"room": room})
+    return Decision(GUARD, Verdict.SKIP, "no notice that the room was never written", None, {"room": room})
+
+
 def decide_on_front_door_refusal(rid: str, room: int | None, message: str) -> Decision:
     """Prefill's front door (tokenization, validation) refused a request before its scheduler saw it.
 

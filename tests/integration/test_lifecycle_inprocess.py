@@ -704,3 +704,74 @@ def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modul
         assert alloc.available_size() == pool
     finally:
         lifecycle_v05.NODE = None
+
+
+class _Board:
+    """Stands in for the prefill publisher: what it was asked to post."""
+
+    def __init__(self) -> None:
+        self.posted: list[Any] = []
+
+    def publish(self, abort: Any) -> None:
+        self.posted.append(abort)
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["never-queued", "chunk-queued"])
+def test_bootstrap_failure_is_published_for_decode(sglang_modules: dict[str, Any], queued: bool) -> None:
+    """Found by the soak: a client that hangs up while prefill's handshake runs fails the request there
+    (``handle_bootstrap_failure``), and decode waited its own timeout, then SGLang's 30 s deferred release, for
+    pages of a request nobody wanted. Prefill now posts the failure; "no KV sent" only when its lifecycle node saw
+    no chunk of the room handed to the engine (checked before SGLang frees the request)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_harden.compat import sglang_v05
+
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    node = PrefillNode.for_allocator(alloc)
+    lifecycle_v05.NODE = node
+    board, saved = _Board(), RUNTIME.publisher
+    RUNTIME.publisher = board  # type: ignore[assignment]
+    try:
+        src = alloc.alloc(4)
+        if queued:
+            mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1})
+            node.hold(mgr, ROOM_A, src.numpy().astype(np.int64))
+        req = SimpleNamespace(rid="soak-d-1", bootstrap_room=ROOM_A, finished_reason=None)
+
+        def sglang_handles_it(self: Any, req: Any) -> None:
+            node.holds.pop(ROOM_A, None)  # SGLang frees the request's pages: the node lets go of the room
+            req.finished_reason = SimpleNamespace(message="Aborted by AbortReq.")
+
+        sglang_v05._publish_bootstrap_failure(sglang_handles_it)(SimpleNamespace(tp_size=1), req)
+        assert [(a.room, a.sent_kv) for a in board.posted] == [(ROOM_A, queued)]
+        assert "AbortReq" in board.posted[0].message
+    finally:
+        RUNTIME.publisher = saved
+        lifecycle_v05.NODE = None
+
+
+@pytest.mark.parametrize("sent_kv,released", [(False, True), (True, False), (None, False)],
+                         ids=["never-written", "kv-may-have-gone", "no-notice"])
+def test_deferred_release_ends_on_a_never_written_notice(sglang_modules: dict[str, Any], sent_kv: bool | None,
+                                                         released: bool) -> None:
+    """SGLang's own ``CommonKVManager.is_abort_release_safe`` (hooked): with no drain ack it holds the pages;
+    prefill's "never queued a write" notice for the room releases them, anything else keeps waiting."""
+    from sglang_harden.compat import notify
+
+    conn = sglang_modules["conn"]
+    params = inspect.signature(conn.CommonKVManager.note_abort_ack).parameters
+    tracker: dict[int, Any] = {}
+    if "generation" in params:  # 0.5.23 keeps a per-room state object
+        tracker[ROOM_A] = SimpleNamespace(generation=1, prefill_ranks=set())
+    else:
+        tracker[ROOM_A] = set()
+    mgr = SimpleNamespace(_deferred_abort_ack_tracker=tracker)
+    watcher = notify.DecodeWatcher(lambda receiver, abort: None)
+    if sent_kv is not None:
+        watcher._hits[ROOM_A] = notify.PeerAbort(ROOM_A, 500, "Aborted by AbortReq.", sent_kv)
+    saved = RUNTIME.watcher
+    RUNTIME.watcher = watcher
+    try:
+        assert conn.CommonKVManager.is_abort_release_safe(mgr, ROOM_A, 1) is released
+    finally:
+        RUNTIME.watcher = saved
