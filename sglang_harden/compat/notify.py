@@ -208,7 +208,7 @@ class DecodeWatcher:
             for addr, rooms in self._waiting.items():
                 for room, ref in list(rooms.items()):
                     receiver = ref()
-                    if receiver is None:
+                    if receiver is None or _concluded(receiver):
                         del rooms[room]
                     else:
                         live.setdefault(addr, []).append((room, receiver))
@@ -230,7 +230,14 @@ class DecodeWatcher:
                     self._hits[abort.room] = abort
                     while len(self._hits) > BOARD_CAPACITY:
                         self._hits.pop(next(iter(self._hits)))
+                    self._waiting.get(addr, {}).pop(abort.room, None)  # the first word on a room stands
                 self._on_abort(by_room[abort.room], abort)
+
+
+def _concluded(receiver: object) -> bool:
+    """SGLang's receiver reached its final state (transferred or failed): prefill's word can change nothing now,
+    so its room leaves the poll (a receiver object can outlive its request by minutes)."""
+    return getattr(receiver, "conclude_state", None) is not None
 
 
 def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:

@@ -376,6 +376,10 @@ def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: s
     assert h.decode.elapsed_s < AFTER_FORWARD_BOUND_S, h.decode.summary()
     assert not _decode_generated_for(hardened, f"{RETIRE_PREFIX}hardened")
     assert _retire_count(hardened.prefill) >= 1
+    # decode quarantined the pages (a write may have been in flight) and gets them back once prefill acks the
+    # drain; until then its door is closed to requests that would need them (the next test's)
+    state = _wait_pool_full(hardened.decode)
+    assert state.get("available_tokens", 0) + state.get("evictable_tokens", 0) == state["max_total_num_tokens"], state
 
 
 ABORT_AS_200_PINS = ("0.4.9.post6",)

@@ -119,6 +119,25 @@ def test_never_sent_flag_survives_the_round_trip(bootstrap: str) -> None:
     assert {a.room: a.sent_kv for a in seen} == {51: False, 52: True}
 
 
+def test_rooms_leave_the_poll_once_answered_or_concluded(bootstrap: str) -> None:
+    """A room with a hit, or whose receiver reached its final state, is not asked about again (receivers can
+    outlive their requests by minutes; polling them for ever loads both bootstrap servers)."""
+    seen: list[notify.PeerAbort] = []
+    watcher = notify.DecodeWatcher(lambda _receiver, abort: seen.append(abort))
+    hit, done, waiting = _Receiver(), _Receiver(), _Receiver()
+    watcher.watch(bootstrap, 61, hit)
+    watcher.watch(bootstrap, 62, done)
+    watcher.watch(bootstrap, 63, waiting)
+    notify.Publisher(f"http://{bootstrap}").publish(notify.PeerAbort(61, 500, "aborted"))
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.conclude_state = "Success"  # type: ignore[attr-defined]
+    time.sleep(3 * notify.POLL_INTERVAL_S)
+    assert [a.room for a in seen] == [61] and watcher.hit(61) is not None
+    assert {room for _addr, entries in watcher._snapshot().items() for room, _r in entries} == {63}
+
+
 def test_sent_kv_defaults_to_true_and_must_be_boolean() -> None:
     body = {"room": 1, "status_code": 400, "message": "x"}
     assert notify.parse_abort_body(json.dumps(body).encode()).sent_kv is True
