@@ -14,6 +14,7 @@ unauthenticated, which start-up says once, and the guard is not reported armed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import stat
 import threading
@@ -172,7 +173,13 @@ def _token_middleware() -> Any:
         auth = current()
         if auth is None or request.path in OPEN_PATHS:
             return await handler(request)
-        body = await request.read()  # bounded by the app's client_max_size: larger bodies get 413
+        try:  # bounded in size by the app's client_max_size (larger bodies get 413) and here in time
+            body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("sglang-harden: %s %s from %s: body not received within %.0f s; refused",
+                           request.method, request.path, request.remote, BODY_READ_TIMEOUT_S)
+            return await _answer_and_hang_up(request, web.Response(status=408, text="sglang-harden: request body "
+                                                                   "too slow\n"))
         decision = auth.check(request.method, request.raw_path, body, request.headers.get(bootstrap_auth.HEADER))
         if events.record(decision, RUNTIME.config.bootstrap_auth, method=request.method, path=request.path,
                          remote=request.remote):
@@ -186,6 +193,21 @@ def _token_middleware() -> Any:
 
     return check_control_token
 
+
+async def _answer_and_hang_up(request: Any, response: Any) -> Any:
+    """Send ``response`` and close the connection at once (aiohttp would otherwise keep reading the unread body
+    for its lingering time, 10 s, with the connection held open)."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return response
+
+
+# A control request's body arrives within this time or the request gets 408 (a stalled client must not hold a
+# connection and its buffer open for ever).
+BODY_READ_TIMEOUT_S = 10.0
 
 # What SGLang's bootstrap handlers raise on a body of the wrong shape (missing keys, wrong types, bad JSON).
 MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError)

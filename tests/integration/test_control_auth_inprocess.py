@@ -9,7 +9,8 @@ on a loopback port with the compat hooks installed and a secret file configured.
 - rotation: a server holding (new, old) accepts both; log mode serves and counts;
 - fuzzing (hypothesis; ``SGLANG_HARDEN_FUZZ_EXAMPLES`` per route, 1000 by default): bodies, queries and headers
   of any shape get a 4xx, never a 5xx, unsigned ones never change state, and the server stays healthy;
-  10 MB bodies get 413; a client that never finishes its request does not stall others.
+  10 MB bodies get 413; a client that never finishes its request does not stall others, and gets 408 once the
+  body read timeout passes, with its connection closed.
 """
 
 from __future__ import annotations
@@ -186,6 +187,24 @@ def test_a_client_that_never_finishes_does_not_stall_others(server: dict[str, An
         started = time.monotonic()
         assert _send(server["base"], "GET", target, headers=_signed_headers("GET", target, b"")).status_code == 200
         assert time.monotonic() - started < 2
+
+
+def test_a_body_that_never_arrives_gets_408_and_the_connection_closes(server: dict[str, Any],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control_auth, "BODY_READ_TIMEOUT_S", 1.0)
+    port = int(server["base"].rsplit(":", 1)[1])
+    before = _state(server["server"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+        started = time.monotonic()
+        slow.sendall(b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        answer = slow.recv(4096)
+        waited = time.monotonic() - started
+        slow.settimeout(5)
+        closed = slow.recv(4096) == b""
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert 0.9 <= waited < 5, waited  # answered at the bound
+    assert closed  # and the server dropped the connection
+    assert _state(server["server"]) == before
 
 
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
