@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -55,3 +58,27 @@ def test_digest_pd_report_uses_the_digest_time_per_request() -> None:
     out = bench.report((times, in_server), args)
     assert out["pin"] == "0.5.19" and out["median_s"] == {"vanilla": 1.0, "no_digest": 1.0, "hardened": 1.0}
     assert out["digest_us_per_request"] == 1000.0 and out["ratio_in_server"] == round(1.0 / 0.999, 4)
+
+
+def test_gpu_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
+    """``scripts/gpu_check.sh --cpu-dry-run``: the GPU acceptance script's steps run on the CPU (CI has no GPU),
+    say that their figures are CPU ones, and write the files a GPU run writes."""
+    from sglang_harden.testbed.envs import ci_pins, venv_python
+
+    python = venv_python(ci_pins()[-1])
+    if not Path(python).exists():
+        pytest.skip(f"no pin venv with torch at {python} (scripts/setup_envs.sh builds it)")
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(python)}
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), "--cpu-dry-run"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert "dry run on the CPU (no GPU figures)" in summary and "status=0" in summary, summary
+    assert json.loads((tmp_path / "bench.json").read_text()), "the benchmark wrote its report"
+    assert {p.name for p in tmp_path.iterdir()} >= {"env.txt", "pytest.log", "junit.xml", "bench.json"}
+
+
+def test_gpu_check_refuses_unknown_arguments() -> None:
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), "--gpu-please"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2 and "usage" in done.stderr
