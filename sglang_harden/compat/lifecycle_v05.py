@@ -364,6 +364,7 @@ class PrefillNode:
     stashed_acks: dict[int, list[Callable[[], Any]]] = field(default_factory=dict)
     orphan_targets: dict[int, Any] = field(default_factory=dict)
     lifetime_s: float = 30.0
+    _sources_cache: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     @classmethod
     def for_allocator(cls, allocator: Any) -> PrefillNode:
@@ -398,10 +399,19 @@ class PrefillNode:
         for room in self.failed_writes:
             if not self.write_may_land(room) or room not in self.holds:
                 continue
-            pages = lifecycle.distinct(np.concatenate(self.holds[room]))
-            held = int(np.count_nonzero(self.held_room[pages] == room))
+            held = int(np.count_nonzero(self.held_room[self._distinct_sources(room)] == room))
             stuck += max(0, held - len(self.pending.get(room, ())))
         return stuck * self.page_size
+
+    def _distinct_sources(self, room: int) -> np.ndarray:
+        """The room's source pages, each once (cached: the admission budget asks on every scheduler step while a
+        failed write may land, and a room's holds only grow)."""
+        arrays = self.holds[room]
+        cached = self._sources_cache.get(room)
+        if cached is None or cached[0] != len(arrays):
+            cached = (len(arrays), lifecycle.distinct(np.concatenate(arrays)))
+            self._sources_cache[room] = cached
+        return cached[1]
 
     def settled(self, room: int) -> bool:
         failed_at = self.failed_writes.get(room)
@@ -445,6 +455,7 @@ class PrefillNode:
         return keep if keep.any() else None
 
     def _settle(self, room: int) -> None:
+        self._sources_cache.pop(room, None)
         for pages in self.holds.pop(room, ()):
             self.held_room[pages[self.held_room[pages] == room]] = 0
 
