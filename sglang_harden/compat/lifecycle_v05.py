@@ -1074,12 +1074,13 @@ HOOKS: list[Hook] = [
 POISONS_UNDRAINED_ROOMS = ("0.5.23",)
 
 
+POISON_HOOKS = [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"),
+                     _keep_poisoned_target)]
+
+
 def pin_hooks() -> list[Hook]:
     """Hooks only some pins of the family have targets for (merged into sglang_v05.HOOKS)."""
-    if RUNTIME.pin not in POISONS_UNDRAINED_ROOMS:
-        return []
-    return [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"),
-                 _keep_poisoned_target)]
+    return POISON_HOOKS if RUNTIME.pin in POISONS_UNDRAINED_ROOMS else []
 
 
 ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"}}

@@ -266,11 +266,14 @@ def _verify_in_process(role: str, backend: str) -> None:
 RETIRES_ABORTED_RESULT = ("0.5.20", "0.5.21", "0.5.23")
 
 
+RETIRED_RESULT_HOOKS = [
+    Hook("abort_notify", PREFILL, "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
+         ("self", "req"), publish_retired_abort(READER)),
+]
+
+
 def _retired_result_hooks() -> list[Hook]:
-    if RUNTIME.pin not in RETIRES_ABORTED_RESULT:
-        return []
-    return [Hook("abort_notify", PREFILL, "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
-                 ("self", "req"), publish_retired_abort(READER))]
+    return RETIRED_RESULT_HOOKS if RUNTIME.pin in RETIRES_ABORTED_RESULT else []
 
 
 
@@ -331,3 +334,7 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
 
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit,
                                                       CONN: control_auth.install_signing_client}
+
+# Hooks whose targets only some releases of the family have; HOOKS takes them by pin (above). `compat sweep`
+# probes every release for them.
+OPTIONAL_HOOKS: list[Hook] = [*RETIRED_RESULT_HOOKS, *lifecycle_v05.POISON_HOOKS]

@@ -7,19 +7,15 @@ there. No import of SGLang happens: doctor reads the code.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
+from sglang_harden.compat import SUPPORTED_PINS
 from sglang_harden.tools import _protections as P
 from sglang_harden.tools._source import SourceTree
-
-HOME = Path(os.environ.get("SGLANG_HARDEN_HOME", Path.home() / ".cache" / "sglang-harden"))
+from sglang_harden.tools._wheels import ReleaseUnavailable, release_tree
 
 # status per protection, from upstream.md's table (and the "still open in 0.5.23" list for the last three)
 EXPECTED: dict[str, dict[str, str]] = {
@@ -82,33 +78,10 @@ DETAILS = {
 
 
 def sglang_tree(pin: str) -> Path:
-    venv = HOME / "venvs" / pin / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    installed = venv / "site-packages"
-    if (installed / "sglang").is_dir() and (installed / f"sglang-{pin}.dist-info").is_dir():
-        return installed
-    unpacked = HOME / "wheel-src" / pin
-    if (unpacked / "sglang" / "srt").is_dir():
-        return unpacked
-    return _download(pin, unpacked)
-
-
-def _download(pin: str, dest: Path) -> Path:
-    cache = HOME / "wheel-cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob(f"sglang-{pin}-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"sglang=={pin}", "-d", str(cache)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        wheels = sorted(cache.glob(f"sglang-{pin}-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            pytest.skip(f"sglang=={pin} not available here (no venv, no cache, download failed): {proc.stderr[-300:]}")
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        zf.extractall(tmp, [n for n in zf.namelist() if n.startswith("sglang/") and n.endswith(".py")])
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest
+    try:
+        return release_tree(pin)
+    except ReleaseUnavailable as exc:
+        pytest.skip(f"sglang=={pin} not available here (no venv, no cache, download failed): {exc}")
 
 
 @pytest.mark.parametrize("pin", sorted(EXPECTED))
@@ -140,3 +113,23 @@ def test_patched_0519_door_is_recognised(tmp_path: Path) -> None:
     prefill.write_text(text.replace(anchor, anchor + "        if is_aborted(req):\n            return\n", 1))
     door = P.detect_door_rejection(SourceTree(tmp_path))
     assert door.status == P.PARTIAL and door.detail.startswith("decode"), door
+
+
+@pytest.mark.parametrize("pin", sorted(SUPPORTED_PINS))
+def test_compat_sweep_agrees_with_the_supported_pins(pin: str) -> None:
+    """`compat sweep` reads each supported release and finds the adapter the plugin uses for it, every hook of
+    that adapter in place, and the optional targets exactly where the pin gates take them (a pin added to a gate
+    without the target, or a release with the target left out of the gate, fails here)."""
+    from sglang_harden.compat import lifecycle_v05, sglang_v05
+    from sglang_harden.tools import compat_sweep as sweep
+
+    report = sweep.judge_release(pin, SourceTree(sglang_tree(pin)), SUPPORTED_PINS)
+    assert report.adapter == SUPPORTED_PINS[pin], report
+    family_owners = {h.owner for h in sweep.family_hooks(SUPPORTED_PINS[pin])[0]}
+    assert {g for g, v in report.guards.items() if v.verdict == sweep.HOOKABLE} == family_owners, report
+    if SUPPORTED_PINS[pin] == "sglang_v05":
+        gated = {f"{h.owner}: {h.target}": pin in sglang_v05.RETIRES_ABORTED_RESULT
+                 for h in sglang_v05.RETIRED_RESULT_HOOKS}
+        gated |= {f"{h.owner}: {h.target}": pin in lifecycle_v05.POISONS_UNDRAINED_ROOMS
+                  for h in lifecycle_v05.POISON_HOOKS}
+        assert report.optional == gated

@@ -1,0 +1,240 @@
+"""``sglang-harden compat sweep``: judge SGLang releases against the plugin's hooks, reading their code only.
+
+    sglang-harden compat sweep                              # every final release from 0.4.9.post6 on the index
+    sglang-harden compat sweep --from 0.5.15 --to 0.5.23 --json
+    sglang-harden compat sweep --releases 0.5.19,0.5.23 --offline   # trees already here (pin venvs, cache)
+
+For each release (source from ``tools/_wheels``: nothing is installed or imported) and each adapter family
+under ``sglang_harden/compat``, every hook target is looked up statically: the module, the class (bases
+included) and the function, and its leading parameter names against the ones the hook expects. Per guard:
+
+- ``hookable``: every hook the guard needs resolves, on the Mooncake backend at least (NIXL listed when it too);
+- ``needs a patch``: some target is missing or changed shape (listed); the plugin refuses such a release;
+- ``impossible``: the release has no PD disaggregation at all.
+
+Optional targets (hooks some releases of a family have) are reported as found or not. Doctor's detectors
+say which upstream protections the release has. ``e2e`` marks the releases the plugin supports today (tested
+end to end on CPU); a release can be hookable and still unsupported until its e2e passes.
+Exit code: 0 when every release was judged, 1 when some could not be fetched, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sglang_harden.compat.hooks import Hook
+from sglang_harden.config import GUARDS
+
+FAMILIES = ("sglang_v05", "sglang_v049")
+BACKEND_MODULES = {"mooncake": "sglang.srt.disaggregation.mooncake.conn",
+                   "nixl": "sglang.srt.disaggregation.nixl.conn"}
+PD_PACKAGE = "sglang.srt.disaggregation"
+DEFAULT_FROM = "0.4.9.post6"
+HOOKABLE, NEEDS_PATCH, IMPOSSIBLE = "hookable", "needs a patch", "impossible"
+# "startup" is not a guard: its hooks (scheduler start, state report) are what lets the plugin run at all.
+OWNERS = ("startup", *GUARDS)
+# Guards whose hooks also need a module-level name in place (the signing client replaces `requests` there).
+NEEDS_REQUESTS_IN = {"bootstrap_auth": "sglang.srt.disaggregation.common.conn"}
+
+
+@dataclass
+class GuardVerdict:
+    verdict: str
+    backends: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseReport:
+    release: str
+    e2e_supported: bool
+    adapter: str | None = None
+    guards: dict[str, GuardVerdict] = field(default_factory=dict)
+    optional: dict[str, bool] = field(default_factory=dict)
+    protections: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+def family_hooks(name: str) -> tuple[list[Hook], list[Hook]]:
+    """(hooks every release of the family needs, hooks only some have) for adapter module ``name``."""
+    module = importlib.import_module(f"sglang_harden.compat.{name}")
+    optional = list(getattr(module, "OPTIONAL_HOOKS", []))
+    optional_keys = {(h.target, h.owner) for h in optional}
+    return [h for h in module.HOOKS if (h.target, h.owner) not in optional_keys], optional
+
+
+def parameter_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
+    """Names in the order ``inspect.signature`` lists them."""
+    args = node.args
+    names = [a.arg for a in [*args.posonlyargs, *args.args]]
+    if args.vararg is not None:
+        names.append(args.vararg.arg)
+    names.extend(a.arg for a in args.kwonlyargs)
+    if args.kwarg is not None:
+        names.append(args.kwarg.arg)
+    return tuple(names)
+
+
+def hook_problem(tree: Any, hook: Hook) -> str | None:
+    """Why ``hook`` cannot be installed on ``tree`` (a SourceTree), or None when it can."""
+    if not tree.exists(hook.module):
+        return f"{hook.target}: module missing"
+    ref = _find(tree, hook.module, hook.qualname)
+    if ref is None:
+        return f"{hook.target}: not found"
+    found = parameter_names(ref.node)
+    if found[: len(hook.params)] != hook.params:
+        return f"{hook.target}: parameters {found}, expected {hook.params} first"
+    return None
+
+
+def _find(tree: Any, module: str, qualname: str) -> Any:
+    """The function ``module.qualname`` names, also when ``module`` imported it (or its class) from elsewhere
+    in SGLang (a hook then wraps the module's own binding of that name)."""
+    ref = tree.function(module, qualname)
+    if ref is not None:
+        return ref
+    head, _, rest = qualname.partition(".")
+    located = tree.resolve_name(module, head)
+    if located is None or located == (module, head):
+        return None
+    return tree.function(located[0], f"{located[1]}.{rest}" if rest else located[1])
+
+
+def judge_guard(tree: Any, guard: str, hooks: list[Hook]) -> GuardVerdict:
+    mine = [h for h in hooks if h.owner == guard]
+    core = [p for h in mine if h.module not in BACKEND_MODULES.values() and (p := hook_problem(tree, h))]
+    needs_requests = NEEDS_REQUESTS_IN.get(guard)
+    if needs_requests and "import requests" not in tree.text(needs_requests):
+        core.append(f"{needs_requests}: does not import requests (the signing client replaces that name)")
+    by_backend = {name: [p for h in mine if h.module == module and (p := hook_problem(tree, h))]
+                  for name, module in BACKEND_MODULES.items()}
+    backends = [name for name, module in BACKEND_MODULES.items() if tree.exists(module) and not by_backend[name]]
+    if not core and "mooncake" in backends:
+        return GuardVerdict(HOOKABLE, backends)
+    mooncake = by_backend["mooncake"] or ([] if tree.exists(BACKEND_MODULES["mooncake"]) else
+                                          [f"{BACKEND_MODULES['mooncake']}: module missing"])
+    return GuardVerdict(NEEDS_PATCH, backends, core + mooncake)
+
+
+def judge_family(tree: Any, name: str) -> tuple[dict[str, GuardVerdict], dict[str, bool]]:
+    required, optional = family_hooks(name)
+    verdicts = {owner: judge_guard(tree, owner, required) for owner in OWNERS if any(h.owner == owner
+                                                                                       for h in required)}
+    found = {f"{h.owner}: {h.target}": hook_problem(tree, h) is None for h in optional}
+    return verdicts, found
+
+
+def judge_release(release: str, tree: Any, supported: dict[str, str]) -> ReleaseReport:
+    from sglang_harden.tools import _protections
+
+    report = ReleaseReport(release, release in supported)
+    if not tree.exists(PD_PACKAGE):
+        report.guards = {g: GuardVerdict(IMPOSSIBLE, missing=["no PD disaggregation in this release"])
+                         for g in OWNERS}
+        return report
+    judged = {name: judge_family(tree, name) for name in FAMILIES}
+    report.adapter = next((name for name in FAMILIES if _fits(judged[name][0])), None)
+    best = report.adapter or min(FAMILIES, key=lambda name: _problems(judged[name][0]))
+    verdicts, report.optional = judged[best]
+    report.guards = {g: verdicts.get(g, GuardVerdict(NEEDS_PATCH, missing=[f"the {best} adapter has no hooks "
+                                                                            "for this guard"])) for g in OWNERS}
+    report.protections = {key: native.status for key, native in _protections.inspect_tree(tree).items()}
+    return report
+
+
+def _fits(verdicts: dict[str, GuardVerdict]) -> bool:
+    return all(v.verdict == HOOKABLE for v in verdicts.values())
+
+
+def _problems(verdicts: dict[str, GuardVerdict]) -> int:
+    return sum(len(v.missing) for v in verdicts.values())
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("sweep",))
+    parser.add_argument("--from", dest="first", default=DEFAULT_FROM, help=f"oldest release (default {DEFAULT_FROM})")
+    parser.add_argument("--to", dest="last", default=None, help="newest release (default: the newest on the index)")
+    parser.add_argument("--releases", default=None, help="comma-separated releases instead of a range")
+    parser.add_argument("--offline", action="store_true", help="only trees already here (pin venvs, wheel cache)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sglang_harden.compat import SUPPORTED_PINS
+    from sglang_harden.tools import _wheels
+    from sglang_harden.tools._source import SourceTree
+
+    try:
+        releases = _choose_releases(args)
+    except (ValueError, _wheels.ReleaseUnavailable) as exc:
+        print(f"sglang-harden compat: {exc}", file=sys.stderr)
+        return 2
+    reports = []
+    for release in releases:
+        print(f"sglang-harden compat: judging {release}", file=sys.stderr)
+        try:
+            tree = SourceTree(_wheels.release_tree(release, download=not args.offline))
+        except (_wheels.ReleaseUnavailable, FileNotFoundError) as exc:
+            reports.append(ReleaseReport(release, release in SUPPORTED_PINS, error=str(exc)))
+            continue
+        reports.append(judge_release(release, tree, SUPPORTED_PINS))
+    print(json.dumps([asdict(r) for r in reports], indent=2) if args.json else render(reports))
+    return 1 if any(r.error for r in reports) else 0
+
+
+def _choose_releases(args: argparse.Namespace) -> list[str]:
+    from sglang_harden.tools._wheels import index_releases, release_key
+
+    if args.releases:
+        chosen = [r.strip() for r in args.releases.split(",") if r.strip()]
+        for release in chosen:
+            release_key(release)
+        return sorted(chosen, key=release_key)
+    first = release_key(args.first)
+    last = release_key(args.last) if args.last else None
+    return [r for r in index_releases() if release_key(r) >= first and (last is None or release_key(r) <= last)]
+
+
+CELL = {HOOKABLE: "hook", NEEDS_PATCH: "PATCH", IMPOSSIBLE: "-"}
+
+
+def render(reports: list[ReleaseReport]) -> str:
+    guards = list(OWNERS)
+    header = ["release", "e2e", "adapter", *guards]
+    rows = [header]
+    notes: list[str] = []
+    for r in reports:
+        if r.error:
+            rows.append([r.release, "", "?", *["?"] * len(guards)])
+            notes.append(f"{r.release}: {r.error}")
+            continue
+        cells = []
+        for g in guards:
+            verdict = r.guards[g]
+            cell = CELL[verdict.verdict]
+            if verdict.verdict == HOOKABLE and "nixl" not in verdict.backends:
+                cell += " (no nixl)"
+            cells.append(cell)
+        rows.append([r.release, "yes" if r.e2e_supported else "", r.adapter or "none", *cells])
+        for g in guards:
+            for problem in r.guards[g].missing[:3]:
+                notes.append(f"{r.release} {g}: {problem}")
+        absent = [target for target, found in r.optional.items() if not found]
+        if r.optional:
+            notes.append(f"{r.release} optional targets found: {len(r.optional) - len(absent)}/{len(r.optional)}"
+                         + (f" (absent: {', '.join(absent)})" if absent else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    legend = ("hook: every hook the guard needs resolves (Mooncake; NIXL too unless said); PATCH: a target is "
+              "missing or moved; -: no PD disaggregation; e2e: supported pin, tested end to end on CPU")
+    return "\n".join([*lines, "", legend, *(["", "why:"] + [f"  {n}" for n in notes] if notes else [])])

@@ -1,0 +1,103 @@
+"""``sglang-harden compat sweep``'s static judgement, on small source trees written here (no SGLang needed)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sglang_harden.compat.hooks import Hook
+from sglang_harden.tools import compat_sweep as sweep
+from sglang_harden.tools._source import SourceTree
+from sglang_harden.tools._wheels import release_key
+
+
+def _tree(root: Path, files: dict[str, str]) -> SourceTree:
+    for rel, text in {"sglang/__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return SourceTree(root)
+
+
+def _hook(qualname: str, params: tuple[str, ...], module: str = "sglang.srt.x", owner: str = "coverage") -> Hook:
+    return Hook(owner, module, qualname, params, lambda f: f)
+
+
+def test_a_hook_resolves_through_bases_and_imports(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, {
+        "sglang/srt/base.py": """
+            class Base:
+                def commit(self, decode_req, *args, **kwargs): ...
+            def helper(req, error_message, status_code=None): ...
+        """,
+        "sglang/srt/x.py": """
+            from sglang.srt.base import Base, helper
+            class Queue(Base):
+                pass
+        """,
+    })
+    assert sweep.hook_problem(tree, _hook("Queue.commit", ("self", "decode_req"))) is None
+    assert sweep.hook_problem(tree, _hook("helper", ("req", "error_message", "status_code"))) is None
+
+
+@pytest.mark.parametrize(("qualname", "params", "problem"), [
+    ("Queue.gone", ("self",), "sglang.srt.x.Queue.gone: not found"),
+    ("Queue.commit", ("self", "req"), "parameters ('self', 'decode_req'), expected ('self', 'req') first"),
+    ("Other.commit", ("self",), "sglang.srt.x.Other.commit: not found"),
+])
+def test_a_missing_or_moved_target_is_named(tmp_path: Path, qualname: str, params: tuple[str, ...],
+                                            problem: str) -> None:
+    tree = _tree(tmp_path, {"sglang/srt/x.py": "class Queue:\n    def commit(self, decode_req): ...\n"})
+    found = sweep.hook_problem(tree, _hook(qualname, params))
+    assert found is not None and problem in found
+    assert sweep.hook_problem(tree, _hook("f", ("a",), module="sglang.srt.nowhere")) == (
+        "sglang.srt.nowhere.f: module missing")
+
+
+def test_a_guard_needs_every_core_hook_and_the_mooncake_ones(tmp_path: Path) -> None:
+    mooncake, nixl = sweep.BACKEND_MODULES["mooncake"], sweep.BACKEND_MODULES["nixl"]
+    tree = _tree(tmp_path, {
+        "sglang/srt/x.py": "def core(a): ...\n",
+        mooncake.replace(".", "/") + ".py": "class R:\n    def send(self, kv): ...\n",
+        nixl.replace(".", "/") + ".py": "class R:\n    def other(self): ...\n",
+    })
+    hooks = [_hook("core", ("a",)), _hook("R.send", ("self", "kv"), module=mooncake),
+             _hook("R.send", ("self", "kv"), module=nixl)]
+    verdict = sweep.judge_guard(tree, "coverage", hooks)
+    assert verdict.verdict == sweep.HOOKABLE and verdict.backends == ["mooncake"]
+    broken = sweep.judge_guard(tree, "coverage", [*hooks, _hook("gone", ("a",))])
+    assert broken.verdict == sweep.NEEDS_PATCH and broken.missing == ["sglang.srt.x.gone: not found"]
+
+
+def test_a_release_without_pd_disaggregation_is_impossible(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, {"sglang/srt/managers/scheduler.py": "class Scheduler: ...\n"})
+    report = sweep.judge_release("0.3.0", tree, {})
+    assert report.adapter is None and {v.verdict for v in report.guards.values()} == {sweep.IMPOSSIBLE}
+
+
+def test_release_numbers_order_and_refuse_pre_releases() -> None:
+    ordered = ["0.4.9", "0.4.9.post6", "0.4.10", "0.5.1", "0.5.10.post1", "0.5.23"]
+    assert sorted(reversed(ordered), key=release_key) == ordered
+    with pytest.raises(ValueError):
+        release_key("0.5.0rc2")
+
+
+def test_bad_input_is_refused_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_harden.cli import main
+
+    assert main(["compat", "sweep", "--releases", "0.5.x"]) == 2
+    assert "not a final SGLang release number" in capsys.readouterr().err
+
+
+def test_a_release_not_here_is_reported_not_guessed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_harden.cli import main
+    from sglang_harden.tools import _wheels
+
+    monkeypatch.setattr(_wheels, "HOME", tmp_path)
+    assert main(["compat", "sweep", "--releases", "0.5.22", "--offline", "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["release"] == "0.5.22" and "downloads are off" in report["error"] and report["adapter"] is None
