@@ -37,6 +37,7 @@ BACKEND_MODULES = {"mooncake": "sglang.srt.disaggregation.mooncake.conn",
 PD_PACKAGE = "sglang.srt.disaggregation"
 DEFAULT_FROM = "0.4.9.post6"
 HOOKABLE, NEEDS_PATCH, IMPOSSIBLE = "hookable", "needs a patch", "impossible"
+NOT_IN_ADAPTER = "the {} adapter has no hooks for this guard"
 # "startup" is not a guard: its hooks (scheduler start, state report) are what lets the plugin run at all.
 OWNERS = ("startup", *GUARDS)
 # Guards whose hooks also need a module-level name in place (the signing client replaces `requests` there).
@@ -58,6 +59,7 @@ class ReleaseReport:
     guards: dict[str, GuardVerdict] = field(default_factory=dict)
     optional: dict[str, bool] = field(default_factory=dict)
     protections: dict[str, str] = field(default_factory=dict)
+    other_adapters: dict[str, list[str]] = field(default_factory=dict)  # adapter -> what it misses here
     error: str | None = None
 
 
@@ -143,8 +145,10 @@ def judge_release(release: str, tree: Any, supported: dict[str, str]) -> Release
     report.adapter = next((name for name in FAMILIES if _fits(judged[name][0])), None)
     best = report.adapter or min(FAMILIES, key=lambda name: _problems(judged[name][0]))
     verdicts, report.optional = judged[best]
-    report.guards = {g: verdicts.get(g, GuardVerdict(NEEDS_PATCH, missing=[f"the {best} adapter has no hooks "
-                                                                            "for this guard"])) for g in OWNERS}
+    report.guards = {g: verdicts.get(g, GuardVerdict(NEEDS_PATCH, missing=[NOT_IN_ADAPTER.format(best)]))
+                     for g in OWNERS}
+    report.other_adapters = {name: sorted({p for v in judged[name][0].values() for p in v.missing})
+                             for name in FAMILIES if name != best}
     report.protections = {key: native.status for key, native in _protections.inspect_tree(tree).items()}
     return report
 
@@ -166,7 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", dest="last", default=None, help="newest release (default: the newest on the index)")
     parser.add_argument("--releases", default=None, help="comma-separated releases instead of a range")
     parser.add_argument("--offline", action="store_true", help="only trees already here (pin venvs, wheel cache)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="machine-readable output")
+    output.add_argument("--markdown", action="store_true", help="a Markdown table (docs/support.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +194,10 @@ def run(args: argparse.Namespace) -> int:
             reports.append(ReleaseReport(release, release in SUPPORTED_PINS, error=str(exc)))
             continue
         reports.append(judge_release(release, tree, SUPPORTED_PINS))
-    print(json.dumps([asdict(r) for r in reports], indent=2) if args.json else render(reports))
+    if args.json:
+        print(json.dumps([asdict(r) for r in reports], indent=2))
+    else:
+        print(render_markdown(reports) if args.markdown else render(reports))
     return 1 if any(r.error for r in reports) else 0
 
 
@@ -209,6 +218,31 @@ CELL = {HOOKABLE: "hook", NEEDS_PATCH: "PATCH", IMPOSSIBLE: "-"}
 
 
 def render(reports: list[ReleaseReport]) -> str:
+    rows, notes = _rows(reports)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join([*lines, "", LEGEND, *(["", "why:"] + [f"  {n}" for n in notes] if notes else [])])
+
+
+def render_markdown(reports: list[ReleaseReport]) -> str:
+    rows, notes = _rows(reports)
+    table = [f"| {' | '.join(rows[0])} |", f"|{'---|' * len(rows[0])}"]
+    table += [f"| {' | '.join(row)} |" for row in rows[1:]]  # = markdown_row of each report
+    why = [f"- {n}" for n in notes]
+    return "\n".join([*table, "", LEGEND, *(["", "Why:", "", *why] if why else [])])
+
+
+LEGEND = ("hook: every hook the guard needs resolves, read statically (Mooncake; NIXL too unless said); PATCH: a "
+          "target is missing or moved, or the adapter has none; -: no PD disaggregation; e2e: a supported pin, its "
+          "guards proven end to end on CPU (elsewhere 'hook' says the code fits, not that the guard works)")
+
+
+def markdown_row(report: ReleaseReport) -> str:
+    """The release's line of the Markdown table (docs/support.md)."""
+    return f"| {' | '.join(_rows([report])[0][1])} |"
+
+
+def _rows(reports: list[ReleaseReport]) -> tuple[list[list[str]], list[str]]:
     guards = list(OWNERS)
     header = ["release", "e2e", "adapter", *guards]
     rows = [header]
@@ -226,15 +260,19 @@ def render(reports: list[ReleaseReport]) -> str:
                 cell += " (no nixl)"
             cells.append(cell)
         rows.append([r.release, "yes" if r.e2e_supported else "", r.adapter or "none", *cells])
+        absent_guards = [g for g in guards if r.guards[g].missing == [NOT_IN_ADAPTER.format(r.adapter)]]
+        if absent_guards:
+            notes.append(f"{r.release}: the {r.adapter} adapter has no hooks for {', '.join(absent_guards)}")
         for g in guards:
-            for problem in r.guards[g].missing[:3]:
-                notes.append(f"{r.release} {g}: {problem}")
+            if g not in absent_guards:
+                notes.extend(f"{r.release} {g}: {problem}" for problem in r.guards[g].missing[:3])
+        for name, missing in r.other_adapters.items():
+            if missing and r.adapter is not None:
+                notes.append(f"{r.release}: the {name} adapter would miss {len(missing)} target(s): "
+                             + ", ".join(m.split(":")[0].rsplit(".", 1)[-1] for m in missing[:6])
+                             + (", ..." if len(missing) > 6 else ""))
         absent = [target for target, found in r.optional.items() if not found]
         if r.optional:
             notes.append(f"{r.release} optional targets found: {len(r.optional) - len(absent)}/{len(r.optional)}"
                          + (f" (absent: {', '.join(absent)})" if absent else ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    legend = ("hook: every hook the guard needs resolves (Mooncake; NIXL too unless said); PATCH: a target is "
-              "missing or moved; -: no PD disaggregation; e2e: supported pin, tested end to end on CPU")
-    return "\n".join([*lines, "", legend, *(["", "why:"] + [f"  {n}" for n in notes] if notes else [])])
+    return rows, notes

@@ -133,3 +133,14 @@ def test_compat_sweep_agrees_with_the_supported_pins(pin: str) -> None:
         gated |= {f"{h.owner}: {h.target}": pin in lifecycle_v05.POISONS_UNDRAINED_ROOMS
                   for h in lifecycle_v05.POISON_HOOKS}
         assert report.optional == gated
+
+
+@pytest.mark.parametrize("pin", sorted(SUPPORTED_PINS))
+def test_the_support_matrix_is_generated_not_written(pin: str) -> None:
+    """docs/support.md's row for each supported pin is what `compat sweep` says today (regenerate it with
+    `sglang-harden compat sweep --markdown` after a change to the hook tables)."""
+    from sglang_harden.tools import compat_sweep as sweep
+
+    report = sweep.judge_release(pin, SourceTree(sglang_tree(pin)), SUPPORTED_PINS)
+    matrix = (Path(__file__).resolve().parents[2] / "docs" / "support.md").read_text()
+    assert sweep.markdown_row(report) in matrix.splitlines()
