@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -90,6 +91,12 @@ class _Receiver:
     pass
 
 
+def _wait_for(seen: list[Any], count: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_publisher_to_watcher_round_trip(bootstrap: str) -> None:
     seen: list[tuple[object, notify.PeerAbort]] = []
     watcher = notify.DecodeWatcher(lambda receiver, abort: seen.append((receiver, abort)))
@@ -97,9 +104,7 @@ def test_publisher_to_watcher_round_trip(bootstrap: str) -> None:
     watcher.watch(bootstrap, 41, waiting)
     watcher.watch(bootstrap, 42, other)
     notify.Publisher(f"http://{bootstrap}").publish(notify.PeerAbort(41, 400, "Input length (300 tokens) exceeds"))
-    deadline = time.monotonic() + 5
-    while not seen and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for(seen, 1)
     assert seen and seen[0][0] is waiting and seen[0][1].status_code == 400
     assert watcher.hit(41) is not None and watcher.hit(42) is None
 
@@ -113,9 +118,7 @@ def test_never_sent_flag_survives_the_round_trip(bootstrap: str) -> None:
     publisher = notify.Publisher(f"http://{bootstrap}")
     publisher.publish(notify.PeerAbort(51, 400, "refused at the door", sent_kv=False))
     publisher.publish(notify.PeerAbort(52, 500, "aborted after a chunk went out"))
-    deadline = time.monotonic() + 5
-    while len(seen) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for(seen, 2)
     assert {a.room: a.sent_kv for a in seen} == {51: False, 52: True}
 
 
@@ -129,9 +132,7 @@ def test_rooms_leave_the_poll_once_answered_or_concluded(bootstrap: str) -> None
     watcher.watch(bootstrap, 62, done)
     watcher.watch(bootstrap, 63, waiting)
     notify.Publisher(f"http://{bootstrap}").publish(notify.PeerAbort(61, 500, "aborted"))
-    deadline = time.monotonic() + 5
-    while not seen and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for(seen, 1)
     done.conclude_state = "Success"  # type: ignore[attr-defined]
     time.sleep(3 * notify.POLL_INTERVAL_S)
     assert [a.room for a in seen] == [61] and watcher.hit(61) is not None
