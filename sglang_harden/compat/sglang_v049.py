@@ -21,8 +21,8 @@ from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
     RequestReader,
+    abort_routes,
     bootstrap_base_url,
-    bootstrap_routes,
     capacity_gate,
     door,
     in_scheduler,
@@ -187,7 +187,7 @@ HOOKS: list[Hook] = [
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
     Hook("coverage", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _check_coverage),
-    Hook("abort_notify", MOONCAKE, "MooncakeKVBootstrapServer._setup_routes", ("self",), bootstrap_routes),
+    Hook("abort_notify", MOONCAKE, "MooncakeKVBootstrapServer._setup_routes", ("self",), abort_routes),
     Hook("abort_notify", MOONCAKE, "MooncakeKVReceiver.__init__",
          ("self", "mgr", "bootstrap_addr", "bootstrap_room"), watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),

@@ -19,9 +19,10 @@ from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
     RequestReader,
+    abort_routes,
     bootstrap_base_url,
-    bootstrap_routes,
     capacity_gate,
+    digest_routes,
     door,
     in_scheduler,
     peer_status_abort,
@@ -297,7 +298,8 @@ HOOKS: list[Hook] = [
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
     Hook("coverage", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _check_coverage),
-    Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), bootstrap_routes),
+    Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), abort_routes),
+    Hook("checksum", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), digest_routes),
     # Listed after abort_notify's routes, so the token check sits outside and sees every route.
     Hook("bootstrap_auth", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), control_auth.require_tokens),
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),

@@ -145,14 +145,25 @@ def role_of(scheduler: Any) -> str:
     return str(getattr(mode, "value", mode) or "null")
 
 
-def bootstrap_routes(original: Func) -> Func:
+def abort_routes(original: Func) -> Func:
+    """``<BootstrapServer>._setup_routes``: the abort board (abort_notify's)."""
+    return _with_routes(original, lambda: [("PUT", notify.ABORT_PATH, handle_abort_put),
+                                           ("GET", notify.ABORTS_PATH, handle_aborts_get)])
+
+
+def digest_routes(original: Func) -> Func:
+    """``<BootstrapServer>._setup_routes``: the digest board and feed (checksum's: decode reads a 404 there as
+    "prefill is not hardened", so they must exist whenever the checksum guard is on, whatever abort_notify is)."""
+    return _with_routes(original, lambda: [("PUT", digest_channel.DIGEST_PATH, handle_digest_put),
+                                           ("GET", digest_channel.DIGESTS_PATH, handle_digests_get),
+                                           ("GET", digest_channel.FEED_PATH, handle_digest_feed_get)])
+
+
+def _with_routes(original: Func, routes: Callable[[], list[tuple[str, str, Any]]]) -> Func:
     def setup_routes(self: Any) -> Any:
         result = original(self)
-        self.app.router.add_put(notify.ABORT_PATH, handle_abort_put)
-        self.app.router.add_get(notify.ABORTS_PATH, handle_aborts_get)
-        self.app.router.add_put(digest_channel.DIGEST_PATH, handle_digest_put)
-        self.app.router.add_get(digest_channel.DIGESTS_PATH, handle_digests_get)
-        self.app.router.add_get(digest_channel.FEED_PATH, handle_digest_feed_get)
+        for method, path, handler in routes():
+            self.app.router.add_route(method, path, handler)
         return result
 
     return setup_routes

@@ -197,3 +197,37 @@ def test_control_auth_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     _with_config(monkeypatch, bootstrap_secret_file=str(good))
     with pytest.raises(HardenRefusal, match="not available on SGLang"):
         compat._check_control_auth([])  # a family with nothing to hook it into (0.4.9)
+
+
+class _Router:
+    def __init__(self) -> None:
+        self.routes: list[tuple[str, str]] = []
+
+    def add_route(self, method: str, path: str, _handler: object) -> None:
+        self.routes.append((method, path))
+
+
+def _routes_added_by(owners: set[str]) -> set[tuple[str, str]]:
+    """The control routes the 0.5 adapter's ``_setup_routes`` hooks of ``owners`` add to a bootstrap server."""
+    from sglang_harden.compat import sglang_v05
+
+    server = types.SimpleNamespace(app=types.SimpleNamespace(router=_Router()))
+    setup = lambda self: None  # noqa: E731 - SGLang's own routes: none here
+    for hook in sglang_v05.HOOKS:
+        if hook.qualname.endswith("._setup_routes") and hook.owner in owners:
+            setup = hook.make_wrapper(setup)
+    setup(server)
+    return set(server.app.router.routes)
+
+
+def test_each_guard_installs_its_own_control_routes() -> None:
+    """The checksum guard's digest routes exist with abort_notify off (decode reads their 404 as "prefill not
+    hardened" and would skip the check), and abort_notify's with the checksum off."""
+    from sglang_harden.compat import digest_channel, notify
+
+    digests = {("PUT", digest_channel.DIGEST_PATH), ("GET", digest_channel.DIGESTS_PATH),
+               ("GET", digest_channel.FEED_PATH)}
+    aborts = {("PUT", notify.ABORT_PATH), ("GET", notify.ABORTS_PATH)}
+    assert _routes_added_by({"checksum"}) == digests
+    assert _routes_added_by({"abort_notify"}) == aborts
+    assert _routes_added_by({"abort_notify", "checksum"}) == digests | aborts
