@@ -28,6 +28,7 @@ SUPPORTED_PINS: dict[str, str] = {
     "0.5.19": "sglang_v05",
     "0.5.20": "sglang_v05",
     "0.5.21": "sglang_v05",
+    "0.5.22": "sglang_v05",
     "0.5.23": "sglang_v05",
 }
 

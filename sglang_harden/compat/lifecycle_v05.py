@@ -1071,7 +1071,7 @@ HOOKS: list[Hook] = [
 ]
 
 # Pins whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it).
-POISONS_UNDRAINED_ROOMS = ("0.5.23",)
+POISONS_UNDRAINED_ROOMS = ("0.5.22", "0.5.23")
 
 
 POISON_HOOKS = [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"),

@@ -264,7 +264,7 @@ def _verify_in_process(role: str, backend: str) -> None:
 # ---------------------------------------------------------------- the table
 
 # Pins whose prefill retires an aborted result itself (skipping the final send, never telling decode).
-RETIRES_ABORTED_RESULT = ("0.5.20", "0.5.21", "0.5.23")
+RETIRES_ABORTED_RESULT = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
 
 RETIRED_RESULT_HOOKS = [

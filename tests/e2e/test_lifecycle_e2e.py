@@ -37,7 +37,7 @@ from sglang_harden.testbed.latewrite import run_late_write, setup_for
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.19", "0.5.23"]
+PINS = ["0.5.19", "0.5.22", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
 PROFILES = ["minimal", "paged16"]
 CASES = [f"{pin}/{backend}/{profile}" for profile in PROFILES for pin in PINS for backend in BACKENDS
