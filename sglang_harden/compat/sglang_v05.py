@@ -40,7 +40,7 @@ from sglang_harden.compat.shared import (
 from sglang_harden.config import Mode
 from sglang_harden.guards import abort_notify, coverage
 from sglang_harden.guards.admission import PendingRejection
-from sglang_harden.guards.base import Decision
+from sglang_harden.guards.base import Decision, Verdict
 
 logger = logging.getLogger("sglang_harden")
 
@@ -202,9 +202,9 @@ def _release_when_never_written(original: Func) -> Func:
             return True
         watcher = RUNTIME.watcher
         hit = watcher.hit(int(bootstrap_room)) if watcher is not None else None
-        if hit is None or hit.sent_kv:
+        decision = abort_notify.decide_on_pending_release(int(bootstrap_room), hit.sent_kv if hit else None)
+        if decision.verdict is not Verdict.RELEASE:  # asked on every loop while held: only a release is news
             return False
-        decision = abort_notify.decide_on_pending_release(int(bootstrap_room), hit.sent_kv)
         events.record(decision, RUNTIME.config.abort_notify, room=bootstrap_room)
         return RUNTIME.config.abort_notify is Mode.ENFORCE
 

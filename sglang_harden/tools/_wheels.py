@@ -7,7 +7,6 @@ sglang==<version>`` (the package index pip is configured for), of which only ``s
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,7 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-HOME = Path(os.environ.get("SGLANG_HARDEN_HOME", Path.home() / ".cache" / "sglang-harden"))
+from sglang_harden.testbed.envs import harden_home, venv_dir
+
 RELEASE_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?$")
 
 
@@ -48,20 +48,21 @@ def index_releases(timeout_s: float = 120.0) -> list[str]:
 
 def release_tree(version: str, download: bool = True) -> Path:
     """The directory that contains ``sglang/`` for ``version`` (see the module docstring for where from)."""
-    lib = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    installed = HOME / "venvs" / version / "lib" / lib / "site-packages"
-    if (installed / "sglang").is_dir() and (installed / f"sglang-{version}.dist-info").is_dir():
+    installed = next((venv_dir(version) / "lib").glob("python3*/site-packages"), None)
+    if installed is not None and (installed / "sglang").is_dir() and (
+            installed / f"sglang-{version}.dist-info").is_dir():
         return installed
-    unpacked = HOME / "wheel-src" / version
+    unpacked = harden_home() / "wheel-src" / version
     if (unpacked / "sglang" / "srt").is_dir():
         return unpacked
     if not download:
-        raise ReleaseUnavailable(f"sglang {version}: no venv or unpacked wheel under {HOME}, and downloads are off")
+        raise ReleaseUnavailable(f"sglang {version}: no venv or unpacked wheel under {harden_home()}, and downloads "
+                                 "are off")
     return _unpack(_download(version), unpacked)
 
 
 def _download(version: str) -> Path:
-    cache = HOME / "wheel-cache"
+    cache = harden_home() / "wheel-cache"
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if wheels:

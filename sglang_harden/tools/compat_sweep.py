@@ -29,11 +29,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.lifecycle_v05 import BACKEND_MODULES, CONN
 from sglang_harden.config import GUARDS
 
 FAMILIES = ("sglang_v05", "sglang_v049")
-BACKEND_MODULES = {"mooncake": "sglang.srt.disaggregation.mooncake.conn",
-                   "nixl": "sglang.srt.disaggregation.nixl.conn"}
 PD_PACKAGE = "sglang.srt.disaggregation"
 DEFAULT_FROM = "0.4.9.post6"
 HOOKABLE, NEEDS_PATCH, IMPOSSIBLE = "hookable", "needs a patch", "impossible"
@@ -41,7 +40,7 @@ NOT_IN_ADAPTER = "the {} adapter has no hooks for this guard"
 # "startup" is not a guard: its hooks (scheduler start, state report) are what lets the plugin run at all.
 OWNERS = ("startup", *GUARDS)
 # Guards whose hooks also need a module-level name in place (the signing client replaces `requests` there).
-NEEDS_REQUESTS_IN = {"bootstrap_auth": "sglang.srt.disaggregation.common.conn"}
+NEEDS_REQUESTS_IN = {"bootstrap_auth": CONN}
 
 
 @dataclass

@@ -95,9 +95,8 @@ def test_bad_input_is_refused_with_exit_code_2(capsys: pytest.CaptureFixture[str
 def test_a_release_not_here_is_reported_not_guessed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     from sglang_harden.cli import main
-    from sglang_harden.tools import _wheels
 
-    monkeypatch.setattr(_wheels, "HOME", tmp_path)
+    monkeypatch.setenv("SGLANG_HARDEN_HOME", str(tmp_path))
     assert main(["compat", "sweep", "--releases", "0.5.22", "--offline", "--json"]) == 1
     (report,) = json.loads(capsys.readouterr().out)
     assert report["release"] == "0.5.22" and "downloads are off" in report["error"] and report["adapter"] is None

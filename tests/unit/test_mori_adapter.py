@@ -12,15 +12,12 @@ if a pin changes MORI's class layout, which is when the adapter would need a MOR
 from __future__ import annotations
 
 import ast
-import io
-import zipfile
-from pathlib import Path
 
 import pytest
 
 from sglang_harden.compat import SUPPORTED_PINS
+from sglang_harden.tools._wheels import ReleaseUnavailable, release_tree
 
-SRC_CACHE = Path.home() / ".cache" / "sglang-harden" / "src"
 EXPECTED_BASES = {
     "MoriKVManager": "CommonKVManager",
     "MoriKVSender": "CommonKVSender",
@@ -32,30 +29,12 @@ MORI_PINS = [p for p in SUPPORTED_PINS if p.startswith("0.5.")]
 
 
 def _mori_source(pin: str) -> str:
-    """``sglang/srt/disaggregation/mori/conn.py`` of ``pin``: from its venv, a cached wheel, or PyPI."""
-    venv_file = (Path.home() / ".cache" / "sglang-harden" / "venvs" / pin / "lib" / "python3.11" / "site-packages"
-                 / "sglang" / "srt" / "disaggregation" / "mori" / "conn.py")
-    if venv_file.exists():
-        return venv_file.read_text()
-    for wheel in sorted(SRC_CACHE.glob(f"**/sglang-{pin}-*.whl")):
-        with zipfile.ZipFile(wheel) as archive:
-            return archive.read("sglang/srt/disaggregation/mori/conn.py").decode()
-    return _download(pin)
-
-
-def _download(pin: str) -> str:
-    import subprocess
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-                               f"sglang=={pin}"], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            pytest.fail(f"cannot read SGLang {pin}'s MORI adapter: no venv, no cached wheel, pip: {done.stderr[-300:]}")
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(io.BytesIO(wheel.read_bytes())) as archive:
-            return archive.read("sglang/srt/disaggregation/mori/conn.py").decode()
+    """``sglang/srt/disaggregation/mori/conn.py`` of ``pin``: from its venv, an unpacked wheel, or PyPI."""
+    try:
+        tree = release_tree(pin)
+    except ReleaseUnavailable as exc:
+        pytest.fail(f"cannot read SGLang {pin}'s MORI adapter: {exc}")
+    return (tree / "sglang" / "srt" / "disaggregation" / "mori" / "conn.py").read_text()
 
 
 def _classes(source: str) -> dict[str, ast.ClassDef]:
