@@ -266,6 +266,9 @@ def fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
     if events.record(decision, RUNTIME.config.abort_notify, room=abort.room, peer_reason=abort.message):
         receiver.kv_mgr.record_failure(abort.room, abort.message)
         receiver.kv_mgr.update_status(abort.room, KVPoll.Failed)
+        # concluded, as SGLang's own receivers do on a local failure: up to 0.5.22 decode polls its
+        # preallocation queue only while some entry there is mid-handshake or concluded failed
+        receiver.conclude_state = KVPoll.Failed
 
 
 def validation_refusal(original: Func) -> Func:

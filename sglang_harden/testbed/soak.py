@@ -12,10 +12,10 @@ and one load for ``duration_s``: ``concurrency`` client threads, each sending on
   decode, depending on where it is by then);
 - caught in an ``/abort_request`` burst: every ``abort_burst_every_s`` up to ``abort_burst_size`` in-flight normal
   requests are aborted on both servers;
-- ``late_write`` (``late_writes`` of them, evenly spread; requests paired directly only, since the room must be
-  known): prefill's engine call for its KV gives up after 1 s and reports failure while the bytes land
-  ``late_write_delay_s`` after the send started (test-only ``latewrite`` shim): a late RDMA write into pages
-  decode may already have handed to someone else. Its own answer is not judged (``faulted``).
+- ``late_write`` (``late_writes`` of them, evenly spread; paired directly or through the router, the shim finds
+  the room by the request's rid): prefill's engine call for its KV gives up after 1 s and reports failure while
+  the bytes land ``late_write_delay_s`` after the send started (test-only ``latewrite`` shim): a late RDMA write
+  into pages decode may already have handed to someone else. Its own answer is not judged (``faulted``).
 
 Oracles (none of them reads sglang-harden's ledger or page tags):
 
@@ -55,6 +55,7 @@ from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PD
 KINDS = ("normal", "oversized", "disconnect")
 LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
 LATE_ROOM_BASE = 881_000_000
+LATE_RID_PREFIX = "soak-late-"
 # SGLang's answer to a request whose KV transfer failed (a failed engine call fails its whole decode session on
 # Mooncake, so requests in flight beside an injected fault fail with it): an error, never someone else's KV
 TRANSFER_FAILED = re.compile(r"KVTransferError|Failed to get kvcache|could be dead|is not alive|transfer failed", re.I)
@@ -76,6 +77,8 @@ class SoakLoad:
     abort_burst_every_s: float = 15.0
     abort_burst_size: int = 3
     refused_bound_s: float = 5.0
+    # pages a decode may hold in quarantine at once, as a share of its pool
+    quarantine_bound_share: float = 0.02
     request_timeout_s: float = 120.0
     quiesce_timeout_s: float = 60.0
     late_writes: int = 0
@@ -92,7 +95,7 @@ class SoakLoad:
         if not self.late_writes:
             return {}
         rooms = ",".join(str(r) for r in self.late_rooms())
-        return {LATE_WRITE_ENV: f"{self.late_write_delay_s}:{rooms}:timeout=1.0"}
+        return {LATE_WRITE_ENV: f"{self.late_write_delay_s}:{rooms}:timeout=1.0:rid_prefix={LATE_RID_PREFIX}"}
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class Outcome:
     error: str = ""
     # a transfer fault was injected into this run (late writes): a failed transfer is then expected collateral
     faults_injected: bool = False
+    # wall-clock send time (to line a request up with the servers' logs)
+    sent_at: float = 0.0
 
     @property
     def verdict(self) -> str:
@@ -357,11 +362,11 @@ class LoadRun:
                 self.in_flight[body["rid"]] = kind
                 if room is not None:
                     self.rooms[body["rid"]] = room
-            t0 = time.monotonic()
+            t0, sent_at = time.monotonic(), time.time()
             status, ttft, tokens, err = send(self.target, body, timeout, room=room)
             outcome = Outcome(kind, body["rid"], status, time.monotonic() - t0, ttft, tokens,
                               body["sampling_params"]["max_new_tokens"], error=err,
-                              faults_injected=self.load.late_writes > 0)
+                              faults_injected=self.load.late_writes > 0, sent_at=sent_at)
             with self.lock:
                 self.in_flight.pop(body["rid"], None)
                 self.rooms.pop(body["rid"], None)
@@ -378,7 +383,7 @@ class LoadRun:
                 return
             _, body = make_request(rng, replace(self.load, oversized_share=0.0, disconnect_share=0.0), self.topo,
                                    index, -1)
-            body["rid"] = f"soak-late-{index}"
+            body["rid"] = f"{LATE_RID_PREFIX}{index}"
             t0 = time.monotonic()
             status, ttft, tokens, err = send(self.target, body, self.load.request_timeout_s, room=room)
             outcome = Outcome("late_write", body["rid"], status, time.monotonic() - t0, ttft, tokens,
@@ -568,6 +573,10 @@ class SoakReport:
                 out.append(f"{by[bad]} request(s) {bad}")
         if self.summary["refused_over_bound"]:
             out.append(f"{self.summary['refused_over_bound']} refusal(s) slower than the bound")
+        bound = float(self.load.get("quarantine_bound_share", SoakLoad.quarantine_bound_share))
+        if self.summary["quarantine_max_share"] > bound:
+            out.append(f"quarantine peaked at {self.summary['quarantine_max_pages']} pages"
+                       f" ({self.summary['quarantine_max_share']:.2%} of a decode pool; bound {bound:.0%})")
         for role, q in self.quiesce.items():
             if q["leaked_tokens"]:
                 out.append(f"{role}: {q['leaked_tokens']} token(s) of KV not back at quiesce")
@@ -585,8 +594,6 @@ def start_topology(topo: SoakTopology, load: SoakLoad, hardened: bool, log_dir: 
     if hardened:  # the pools are deliberately smaller than the context (the incident): the gate only logs
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
     if load.late_writes:
-        if topo.router or topo.prefills > 1 or topo.decodes > 1:
-            raise ValueError("late writes need requests paired directly (their room must be known): no router")
         env.update({**load.late_write_env(), KVTRACE_ENV: str(log_dir / "kvtrace")})
         if hardened:  # the sender's bound on a timed-out write's lifetime must cover the injected delay
             env["SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"] = str(int(load.late_write_delay_s + 3))
@@ -621,9 +628,18 @@ def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtr
     decode_total = int((settled[first_decode].get("pool") or {}).get("total") or topo.decode_max_total_tokens)
     summary = summarize(run.outcomes, run.samples, wall, load, decode_total, get_profile(topo.profile).page_size)
     trace = foreign_reads(read_kvtrace(kvtrace_dir)) if kvtrace_dir is not None else None
+    if log_dir:
+        write_outcomes(Path(log_dir) / "outcomes.jsonl", run.outcomes)
     return SoakReport(variant, asdict(topo), asdict(load), round(wall, 1), summary, trace, settled, refusals, log_dir,
                       notify_summary(Path(log_dir)) if log_dir else {},
                       forged_summary(run.forged) if load.forged_control_every_s > 0 else {})
+
+
+def write_outcomes(path: Path, outcomes: list[Outcome]) -> None:
+    """Every request's outcome, one JSON line each (kind, rid, status, latency, send time, verdict)."""
+    with path.open("w") as out:
+        for outcome in outcomes:
+            out.write(json.dumps({**asdict(outcome), "verdict": outcome.verdict}) + "\n")
 
 
 def notify_summary(log_dir: Path) -> dict[str, Any]:

@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--abort-burst-every", type=float, default=15.0, help="seconds; 0 = no bursts")
     parser.add_argument("--abort-burst-size", type=int, default=3)
     parser.add_argument("--late-writes", type=int, default=0,
-                        help="requests whose KV write lands late after a failed engine call (test-only shim;"
-                        " requests paired directly, so not with --router or a fleet)")
+                        help="requests whose KV write lands late after a failed engine call (test-only shim on"
+                        " the servers the soak starts; paired directly or through the router)")
     parser.add_argument("--late-write-delay", type=float, default=8.0, help="seconds until a late write lands")
     parser.add_argument("--forged-control-every", type=float, default=5.0,
                         help="seconds between rounds of forged control-plane requests (no secret) at every prefill"
@@ -89,8 +89,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--forged-control-every must be >= 0"
     if args.late_writes < 0 or args.late_write_delay <= 0:
         return "--late-writes must be >= 0 and --late-write-delay positive"
-    if args.late_writes and (args.router or args.prefills > 1 or args.decodes > 1 or args.state is not None):
-        return "--late-writes needs requests paired directly on a pair it starts: not with --router, a fleet or --state"
+    if args.late_writes and args.state is not None:
+        return "--late-writes needs servers the soak starts (the fault is set in their env): not with --state"
     if args.state is not None and (args.compare or args.vanilla):
         return "--compare/--vanilla start their own servers; not with --state"
     if args.state is not None and not args.state.is_file():

@@ -17,6 +17,7 @@ A's KV; 0.5.21+: prefill 400, decode holds its reservation until the waiting tim
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.client import greedy_body
+from sglang_harden.testbed.client import generate, greedy_body
 from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import IncidentSetup, start_incident_pair, tenant_a_prompt, tenant_b_prompt
@@ -46,6 +47,9 @@ NOTIFY_BOUND_S = 1.0
 AFTER_FORWARD_BOUND_S = 30.0
 HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}
 NORMAL_SEEDS = (11, 12, 13)
+# a request that takes most of decode's pool for several seconds (B cannot be preallocated meanwhile)
+HOLDER_PROMPT_LEN = 200
+HOLDER_HEAD_START_S = 1.5
 RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
 
 
@@ -198,6 +202,32 @@ def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: st
     state = _wait_pool_full(pair.decode)
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
     assert not state.get("lifecycle") or state["lifecycle"].get("quarantined_pages") == 0, state
+
+
+def test_refusal_reaches_a_decode_whose_pool_is_busy(pairs: PairFactory, pin: str) -> None:
+    """A holder request reaches decode first and takes most of its pool while it waits for its KV, so B waits in
+    decode's preallocation queue with its handshake done. Up to 0.5.22 SGLang skips polling that queue while
+    every entry there has finished its handshake, so a refusal marked on B's receiver is seen only when
+    something else arrives or frees memory. Hardened decode must answer B 400 within the bound while the holder
+    still waits; the holder's prefill half is sent only after B is answered, and then completes normally."""
+    pair = pairs("hardened")
+    assert pair.prefill.bootstrap_port is not None
+    room = 7_700_000_000 + int(time.time()) % 1_000_000
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.prefill.bootstrap_port, "bootstrap_room": room}
+    holder = {**greedy_body(tenant_a_prompt(7, HOLDER_PROMPT_LEN), SETUP.new_tokens, rid="busy-holder"), **boot}
+    decode_half: dict[str, Any] = {}
+    waiting = threading.Thread(target=lambda: decode_half.update(r=generate(pair.decode.url, holder, timeout=120)))
+    waiting.start()
+    time.sleep(HOLDER_HEAD_START_S)  # decode preallocates the holder's pages and waits for its KV
+    b = pair.generate(greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="busy-B"),
+                      timeout=SETUP.waiting_timeout_s + 60)
+    holder_was_waiting = waiting.is_alive()
+    prefill_half = generate(pair.prefill.url, holder, timeout=120)
+    waiting.join()
+    assert b.decode.elapsed_s < PROMPT_BOUND_S, b.decode.summary()
+    assert b.decode.status == 400 and TOO_LONG in b.decode.error_message(), b.decode.summary()
+    assert holder_was_waiting, decode_half
+    assert prefill_half.ok and decode_half["r"].ok, (prefill_half.summary(), decode_half["r"].summary())
 
 
 def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> None:

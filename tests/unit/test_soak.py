@@ -104,6 +104,10 @@ def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
     assert "freed twice" in _report(quiesce={"prefill": doubled, "decode": doubled}).violations()[0]
     served = soak.summarize([_outcome("oversized", 200)], [], 1.0, LOAD, 1600, 16)
     assert _report(summary=served).violations() == ["1 request(s) oversized_served"]
+    held = [{"decode0": {"lifecycle": {"quarantined_pages": 3}}}]
+    hoarding = soak.summarize([_outcome("normal", 200)], held, 1.0, LOAD, 1600, 16)  # 3 of 100 pages
+    assert _report(summary=hoarding).violations() == ["quarantine peaked at 3 pages (3.00% of a decode pool; bound 2%)"]
+    assert _report(summary=hoarding, load={"quarantine_bound_share": 0.05}).violations() == []
 
 
 def test_leak_of_a_pool_report_and_unreachable_pool() -> None:
@@ -140,8 +144,8 @@ def test_load_mix_and_shared_prefixes() -> None:
 def test_late_write_env_names_each_room_once_and_gives_up_the_engine_call() -> None:
     load = soak.SoakLoad(late_writes=3, late_write_delay_s=6.0)
     env = load.late_write_env()[soak.LATE_WRITE_ENV]
-    delay, rooms, timeout = env.split(":")
-    assert float(delay) == 6.0 and timeout == "timeout=1.0"
+    delay, rooms, timeout, rid_prefix = env.split(":")
+    assert float(delay) == 6.0 and timeout == "timeout=1.0" and rid_prefix == f"rid_prefix={soak.LATE_RID_PREFIX}"
     assert [int(r) for r in rooms.split(",")] == load.late_rooms() and len(set(load.late_rooms())) == 3
     assert soak.SoakLoad().late_write_env() == {}
     assert _outcome("late_write", 500).verdict == "faulted"
@@ -167,7 +171,7 @@ def _args(**changes: object) -> argparse.Namespace:
     [
         ({"duration": 0}, "must be positive"),
         ({"decodes": 0}, "must be positive"),
-        ({"late_writes": 2, "router": True}, "--late-writes needs requests paired directly"),
+        ({"late_writes": 2, "state": Path("/nonexistent/pair.json")}, "--late-writes needs servers the soak starts"),
         ({"oversized_share": 0.8, "disconnect_share": 0.5}, "add up to at most 1"),
         ({"pin": None}, "give --pin"),
         ({"state": Path("/nonexistent/pair.json")}, "no state file"),

@@ -1,7 +1,9 @@
 """Fault injection (test-only): a KV write that lands late, Mooncake or NIXL. Env: SGLANG_HARDEN_TESTBED_LATE_WRITE.
 
-``SGLANG_HARDEN_TESTBED_LATE_WRITE="<delay_s>:<room>[,<room>…][:timeout=<s>][:trigger=<path>]"`` acts on prefill's
-KV writes of the listed bootstrap rooms:
+``SGLANG_HARDEN_TESTBED_LATE_WRITE="<delay_s>:<room>[,<room>…][:timeout=<s>][:trigger=<path>][:rid_prefix=<p>]"``
+acts on prefill's KV writes of the listed bootstrap rooms, and with ``rid_prefix`` also of the room of every
+request whose rid starts with ``p`` (learnt when prefill's scheduler takes the request in: behind sglang-router the
+room is chosen by the router, so the test can only name the request):
 
 - Mooncake: ``MooncakeKVManager._transfer_data``, the call into the transfer engine;
 - NIXL: the post of the KV transfer handle (``nixl_agent.transfer`` called from inside
@@ -51,12 +53,16 @@ _tls = threading.local()
 
 
 _trigger: Path | None = None
+_rid_prefix = ""
+# the listed rooms; one set shared by every patch in this process, so rooms learnt by rid reach the KV senders
+_rooms: set[int] = set()
 
 
 def parse(raw: str) -> tuple[float, set[int], float | None]:
-    global _trigger
+    global _trigger, _rid_prefix
     parts = raw.split(":")
-    delay, rooms = float(parts[0]), {int(r) for r in parts[1].split(",") if r.strip()}
+    delay = float(parts[0])
+    _rooms.update(int(r) for r in parts[1].split(",") if r.strip())
     timeout = None
     for extra in parts[2:]:
         key, _, value = extra.partition("=")
@@ -64,7 +70,9 @@ def parse(raw: str) -> tuple[float, set[int], float | None]:
             timeout = float(value)
         elif key == "trigger":
             _trigger = Path(value)
-    return delay, rooms, timeout
+        elif key == "rid_prefix":
+            _rid_prefix = value
+    return delay, _rooms, timeout
 
 
 def _wait(delay: float) -> None:
@@ -264,7 +272,30 @@ def _patch_nixl_manager(module: ModuleType) -> None:
     cls._sglang_harden_latewrite = True
 
 
+def _learns_rooms_by_rid(original: Any) -> Any:
+    @functools.wraps(original)
+    def handle_generate_request(self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+        rid, room = str(getattr(recv_req, "rid", "") or ""), getattr(recv_req, "bootstrap_room", None)
+        if _rid_prefix and rid.startswith(_rid_prefix) and room is not None:
+            _rooms.add(int(room))
+            _emit({"event": "room_learnt", "rid": rid, "room": int(room), "t": time.time()})
+        return original(self, recv_req, *args, **kwargs)
+
+    return handle_generate_request
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    cls = module.Scheduler
+    if getattr(cls, "_sglang_harden_latewrite", False):
+        return
+    parse(os.environ[ENV])
+    if _rid_prefix:
+        cls.handle_generate_request = _learns_rooms_by_rid(cls.handle_generate_request)
+    cls._sglang_harden_latewrite = True
+
+
 def install() -> None:
+    when_imported("sglang.srt.managers.scheduler", _patch_scheduler)
     when_imported("sglang.srt.disaggregation.common.utils", _patch_queue)
     when_imported("sglang.srt.disaggregation.mooncake.conn", _patch_manager)
     when_imported("sglang.srt.disaggregation.nixl.conn", _patch_nixl_manager)
