@@ -180,12 +180,14 @@ OnPeerAbort = Callable[[object, PeerAbort], None]
 class DecodeWatcher:
     """Tracks rooms decode waits on, asks their prefill bootstrap servers about aborts, reports hits."""
 
-    def __init__(self, on_abort: OnPeerAbort) -> None:
+    def __init__(self, on_abort: OnPeerAbort, concluded: Callable[[object], bool] | None = None,
+                 name: str = "sglang-harden-abort-watcher") -> None:
         self._on_abort = on_abort
+        self._concluded = concluded or _concluded
         self._lock = threading.Lock()
         self._waiting: dict[str, dict[int, weakref.ref[object]]] = {}
         self._hits: dict[int, PeerAbort] = {}
-        threading.Thread(target=self._run, name="sglang-harden-abort-watcher", daemon=True).start()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def watch(self, bootstrap_addr: str, room: int, receiver: object) -> None:
         with self._lock:
@@ -208,7 +210,7 @@ class DecodeWatcher:
             for addr, rooms in self._waiting.items():
                 for room, ref in list(rooms.items()):
                     receiver = ref()
-                    if receiver is None or _concluded(receiver):
+                    if receiver is None or self._concluded(receiver):
                         del rooms[room]
                     else:
                         live.setdefault(addr, []).append((room, receiver))

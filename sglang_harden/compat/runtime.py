@@ -30,6 +30,8 @@ class Runtime:
     digest_publisher: digest_channel.DigestPublisher | None = None
     watcher: notify.DecodeWatcher | None = None
     feed: digest_channel.DigestFeed | None = None
+    # decode's tokenizer process: answers a client whose request prefill refused, without the scheduler
+    door_watcher: notify.DecodeWatcher | None = None
     # Decode's KV pool (set at its scheduler's start-up), where the canary stamps pages.
     decode_kv_pool: Any = None
     # Set by the lifecycle adapter on decode: prefill said it never queued a write for (room, bootstrap addr).
@@ -58,6 +60,16 @@ class Runtime:
             if self.watcher is None:
                 self.watcher = notify.DecodeWatcher(on_abort)
             return self.watcher
+
+    def front_watcher(self, on_abort: Callable[[object, notify.PeerAbort], None],
+                      concluded: Callable[[object], bool]) -> notify.DecodeWatcher | None:
+        """Decode's tokenizer-process watcher (made on first use), or None with abort_notify off."""
+        if self.config.abort_notify.value == "off":
+            return None
+        with self._lock:
+            if self.door_watcher is None:
+                self.door_watcher = notify.DecodeWatcher(on_abort, concluded, name="sglang-harden-front-watcher")
+            return self.door_watcher
 
     def digest_feed(self) -> digest_channel.DigestFeed | None:
         """Decode's reader of prefill digest feeds (made on first use), or None with the checksum guard off."""

@@ -7,7 +7,9 @@ They touch SGLang only through the objects SGLang passes in and names that did n
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode, Mode
 from sglang_harden.guards import admission, capacity, retire
 from sglang_harden.guards.abort_notify import (
+    decide_on_front_answer,
     decide_on_front_door_refusal,
     decide_on_peer_abort,
     decide_on_prefill_abort,
@@ -313,8 +316,104 @@ def publish_front_door_refusal(tokenizer_manager: Any, obj: Any, exc: ValueError
 
 
 def _is_prefill_front(tokenizer_manager: Any) -> bool:
+    return _front_role(tokenizer_manager) == "prefill"
+
+
+def _front_role(tokenizer_manager: Any) -> str:
     mode = getattr(getattr(tokenizer_manager, "server_args", None), "disaggregation_mode", None)
-    return str(getattr(mode, "value", mode)) == "prefill"
+    return str(getattr(mode, "value", mode))
+
+
+# ---------------------------------------------------------------- decode's front answers prefill's refusals
+
+
+@dataclass(eq=False)
+class FrontWait:
+    """A client waiting on decode's HTTP server for a PD request: where to answer it if prefill refuses."""
+
+    tokenizer_manager: Any
+    loop: asyncio.AbstractEventLoop
+    rid: str
+    state: weakref.ref[Any]
+
+
+# keeps each FrontWait alive as long as its request state (the watcher holds weak references only)
+_FRONT_WAITS: dict[int, FrontWait] = {}
+
+
+def front_answers_refusals(original: Func) -> Func:
+    """``TokenizerManager._dispatch_to_scheduler`` on decode: every PD request handed to the scheduler is also
+    watched on its prefill's abort board from this process, so a refusal there reaches the client at once,
+    however long decode's scheduler takes per loop."""
+
+    def dispatch(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, obj, *args, **kwargs)
+        if _front_role(self) == "decode":
+            batch = getattr(obj, "batch", None)
+            for one in batch if isinstance(batch, list) else [obj]:
+                _watch_at_front(self, one)
+        return result
+
+    return dispatch
+
+
+def _watch_at_front(tokenizer_manager: Any, obj: Any) -> None:
+    rid, room = getattr(obj, "rid", None), getattr(obj, "bootstrap_room", None)
+    host, port = getattr(obj, "bootstrap_host", None), getattr(obj, "bootstrap_port", None)
+    if not isinstance(rid, str) or not isinstance(room, int) or isinstance(room, bool) or not host or not port:
+        return
+    state = getattr(tokenizer_manager, "rid_to_state", {}).get(rid)
+    if state is None:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    watcher = RUNTIME.front_watcher(_answer_at_front, _front_concluded)
+    if watcher is None:
+        return
+    wait = FrontWait(tokenizer_manager, loop, rid, weakref.ref(state))
+    _FRONT_WAITS[id(state)] = wait
+    weakref.finalize(state, _FRONT_WAITS.pop, id(state), None)
+    watcher.watch(f"{host}:{port}", room, wait)
+
+
+def _front_concluded(wait: object) -> bool:
+    state = wait.state() if isinstance(wait, FrontWait) else None
+    return state is None or bool(getattr(state, "finished", True))
+
+
+def _answer_at_front(wait: object, abort: notify.PeerAbort) -> None:
+    """Watcher thread: hand the answer to the tokenizer's event loop (request states belong to it)."""
+    if not isinstance(wait, FrontWait):
+        return
+    try:
+        wait.loop.call_soon_threadsafe(finish_at_front, wait, abort)
+    except RuntimeError:  # the loop is closed: the server is going down
+        pass
+
+
+def finish_at_front(wait: FrontWait, abort: notify.PeerAbort) -> None:
+    """Event loop: end the waiting request with prefill's status and message, as SGLang ends an aborted one
+    (its state leaves ``rid_to_state``; the scheduler's later output for the rid is dropped)."""
+    state, manager = wait.state(), wait.tokenizer_manager
+    if state is None or state.finished or manager.rid_to_state.get(wait.rid) is not state:
+        return
+    decision = decide_on_front_answer(wait.rid, abort.room, abort.status_code, abort.message)
+    if not events.record(decision, RUNTIME.config.abort_notify, role="decode", room=abort.room):
+        return
+    del manager.rid_to_state[wait.rid]
+    state.out_list.append(_aborted_output(wait.rid, state, abort))
+    state.finished = True
+    state.event.set()
+
+
+def _aborted_output(rid: str, state: Any, abort: notify.PeerAbort) -> dict[str, Any]:
+    prompt = getattr(getattr(state, "obj", None), "input_ids", None)
+    finish = {"type": "abort", "message": abort.message, "status_code": abort.status_code}
+    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt) if isinstance(prompt, list) else 0,
+            "completion_tokens": 0, "cached_tokens": 0}
+    return {"text": "", "output_ids": [], "meta_info": meta}
 
 
 def peer_status_abort(original: Func) -> Func:

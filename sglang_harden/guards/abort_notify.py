@@ -85,6 +85,15 @@ def decide_on_front_door_refusal(rid: str, room: int | None, message: str) -> De
     return Decision(GUARD, Verdict.ABORT, reason, 400, {"rid": rid, "room": room, "pages": PAGES_RELEASE})
 
 
+def decide_on_front_answer(rid: str, room: int, status_code: int, message: str) -> Decision:
+    """Prefill refused or aborted a room whose client is waiting on decode's HTTP server. ABORT: answer that
+    client now, with prefill's status and message, from decode's front (its tokenizer process) instead of after
+    decode's scheduler gets round to it (seconds per loop on a saturated host). The scheduler still fails the
+    room on the same notice and decides about its pages; this decision touches no page."""
+    reason = f"prefill ended request {rid}: {message}"
+    return Decision(GUARD, Verdict.ABORT, reason, status_code, {"rid": rid, "room": room, "answered": "front"})
+
+
 def encode_abort_notice(notice: AbortNotice) -> bytes:
     reason = " ".join(notice.reason.split())
     return f"{_PREFIX} {notice.room} {notice.status_code} {reason}".encode()

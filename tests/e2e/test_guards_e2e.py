@@ -50,6 +50,10 @@ NORMAL_SEEDS = (11, 12, 13)
 # a request that takes most of decode's pool for several seconds (B cannot be preallocated meanwhile)
 HOLDER_PROMPT_LEN = 200
 HOLDER_HEAD_START_S = 1.5
+# test-only shim: decode's scheduler loop sleeps STALL_S once each time the trigger file appears
+STALL_ENV = "SGLANG_HARDEN_TESTBED_STALL_DECODE"
+STALL_TRIGGER = "stall-decode"
+STALL_S = 10.0
 RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
 
 
@@ -100,8 +104,9 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
     truncate = kind.endswith("truncate")
     if truncate:
         return _start_truncating(pin, hardened, log_dir)
+    stall = {STALL_ENV: f"{log_dir / STALL_TRIGGER}:{STALL_S}"} if hardened else {}
     return start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, router=True,
-                               harden_env=HARDEN_ENV, progress=True)
+                               harden_env={**HARDEN_ENV, **stall}, progress=True)
 
 
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
@@ -228,6 +233,23 @@ def test_refusal_reaches_a_decode_whose_pool_is_busy(pairs: PairFactory, pin: st
     assert b.decode.status == 400 and TOO_LONG in b.decode.error_message(), b.decode.summary()
     assert holder_was_waiting, decode_half
     assert prefill_half.ok and decode_half["r"].ok, (prefill_half.summary(), decode_half["r"].summary())
+
+
+def test_refusal_answered_while_decode_scheduler_is_stalled(pairs: PairFactory, pin: str) -> None:
+    """Decode's scheduler is stuck in one long loop (a saturated host: seconds per loop), so it neither takes B
+    in nor answers it. Decode's HTTP front watches prefill's abort board itself and answers B with prefill's 400
+    long before the scheduler wakes; the scheduler then frees B's pages on the same notice."""
+    pair = pairs("hardened")
+    (pair.log_dir / STALL_TRIGGER).touch()
+    time.sleep(0.5)  # the scheduler's loop takes the trigger and stalls
+    b = pair.generate(greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="stalled-B"),
+                      timeout=SETUP.waiting_timeout_s + 60)
+    assert not (pair.log_dir / STALL_TRIGGER).exists(), "the stall never started"
+    assert b.decode.status == 400 and TOO_LONG in b.decode.error_message(), b.decode.summary()
+    assert b.decode.elapsed_s < STALL_S / 4, (
+        f"B answered in {b.decode.elapsed_s:.1f} s: decode waited for its stalled scheduler")
+    state = _wait_pool_full(pair.decode, timeout=STALL_S + PROMPT_BOUND_S)
+    assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
 
 
 def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> None:

@@ -307,6 +307,10 @@ def _main() -> None:
         import sglang_harden_abortsend
 
         sglang_harden_abortsend.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_STALL_DECODE"):
+        import sglang_harden_stall
+
+        sglang_harden_stall.install()
     if os.environ.get("SGLANG_HARDEN_TESTBED_KV_FAULT"):
         import sglang_harden_kvfault
 
