@@ -56,6 +56,7 @@ KINDS = ("normal", "oversized", "disconnect")
 LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
 LATE_ROOM_BASE = 881_000_000
 LATE_RID_PREFIX = "soak-late-"
+LATE_TRIGGER = "late-write-now"  # in the trace folder: the shim lands a pending late write when it appears
 # SGLang's answer to a request whose KV transfer failed (a failed engine call fails its whole decode session on
 # Mooncake, so requests in flight beside an injected fault fail with it): an error, never someone else's KV
 TRANSFER_FAILED = re.compile(r"KVTransferError|Failed to get kvcache|could be dead|is not alive|transfer failed", re.I)
@@ -97,6 +98,13 @@ class SoakLoad:
         rooms = ",".join(str(r) for r in self.late_rooms())
         return {LATE_WRITE_ENV: f"{self.late_write_delay_s}:{rooms}:timeout=1.0:rid_prefix={LATE_RID_PREFIX}"}
 
+    def late_write_trigger_env(self, trace_dir: Path) -> dict[str, str]:
+        """``late_write_env`` plus the landing trigger ``LateWriteLander`` creates."""
+        env = self.late_write_env()
+        if env:
+            env[LATE_WRITE_ENV] += f":trigger={trace_dir / LATE_TRIGGER}"
+        return env
+
 
 @dataclass(frozen=True)
 class SoakTopology:
@@ -107,7 +115,8 @@ class SoakTopology:
     profile: str = "paged16"
     context_length: int = 1024
     prefill_max_total_tokens: int = 640
-    decode_max_total_tokens: int = 2048
+    # large enough that one request's pages (<= 15 of 16 tokens) stay under the 2 % quarantine bound
+    decode_max_total_tokens: int = 12288
     oversized_len: tuple[int, int] = (700, 960)
     router: bool = False
     # more than one of either: a fleet behind sglang-router (the router is then always on)
@@ -152,6 +161,57 @@ class Outcome:
         if self.faults_injected and self.status >= 400 and TRANSFER_FAILED.search(self.error):
             return "transfer_failed"
         return "failed"
+
+
+# ------------------------------------------------------------------------------------------ late-write landing
+
+
+class LateWriteLander:
+    """Lands each injected late write when it can hurt: as soon as another request decodes over a page the late
+    request's KV send targeted, after that request's engine call failed (``touch`` of the shim's trigger file;
+    without such a victim the shim lands the write after ``late_write_delay_s``). Vanilla decode hands those
+    pages on once it gives up on the room, so the write lands in the victim's context; hardened decode holds
+    them in quarantine, so it lands in pages no one reads. With several decode nodes page ids repeat across
+    them: a victim on another node makes the landing a miss, never a false foreign read. Late writes must not
+    overlap (one trigger file); the soak spaces them ``duration / (late_writes + 1)`` apart."""
+
+    def __init__(self, trace_dir: Path) -> None:
+        self.trace_dir, self.trigger = trace_dir, trace_dir / LATE_TRIGGER
+        self.fired: dict[int, str] = {}  # late room -> the victim it landed for
+
+    def step(self) -> None:
+        writes = _jsonl_events(self.trace_dir, "latewrite-")
+        landed = {w.get("room") for w in writes if w.get("event") == "late_write"}
+        if self.trigger.exists() and all(room in landed for room in self.fired):
+            self.trigger.unlink(missing_ok=True)  # the last landing happened: ready for the next late write
+        pending = {w["room"]: float(w["t"]) for w in writes
+                   if w.get("event") == "engine_timeout" and w.get("room") not in landed | set(self.fired)}
+        if not pending:
+            return
+        decodes = [e for e in _jsonl_events(self.trace_dir, "kvtrace-") if e.get("event") == "first_decode"
+                   and not str(e.get("rid", "")).startswith(LATE_RID_PREFIX)]
+        for room, failed_at in pending.items():
+            pages = {p for w in writes if w.get("event") == "kv_send" and w.get("room") == room
+                     for p in w.get("dst_pages") or ()}
+            victim = next((e for e in decodes if float(e.get("t", 0)) > failed_at
+                           and pages.intersection(e.get("pages") or ())), None)
+            if victim is not None:
+                self.trigger.parent.mkdir(parents=True, exist_ok=True)
+                self.trigger.touch()
+                self.fired[room] = str(victim["rid"])
+                return
+
+
+def _jsonl_events(folder: Path, stem: str) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``<stem>*.jsonl`` in ``folder`` (a line still being written is skipped)."""
+    events: list[dict[str, Any]] = []
+    for path in sorted(folder.glob(f"{stem}*.jsonl")) if folder.exists() else []:
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+    return events
 
 
 # ------------------------------------------------------------------------------------------ request driving
@@ -321,8 +381,10 @@ def make_request(rng: random.Random, load: SoakLoad, topo: SoakTopology, index: 
 class LoadRun:
     """The client threads, the abort-burst thread and the pool poller of one run."""
 
-    def __init__(self, target: Target, load: SoakLoad, topo: SoakTopology, progress: Callable[[str], None] | None):
+    def __init__(self, target: Target, load: SoakLoad, topo: SoakTopology, progress: Callable[[str], None] | None,
+                 trace_dir: Path | None = None):
         self.target, self.load, self.topo, self.progress = target, load, topo, progress
+        self.lander = LateWriteLander(trace_dir) if load.late_writes and trace_dir is not None else None
         self.outcomes: list[Outcome] = []
         self.in_flight: dict[str, str] = {}  # rid -> kind
         self.burst_aborted: set[str] = set()
@@ -342,6 +404,8 @@ class LoadRun:
         for thread in threads:
             thread.start()
         while any(t.is_alive() for t in threads[:-1]):  # the burst thread ends at stop time
+            if self.lander is not None:
+                self.lander.step()
             self._sample()
             self._say(start)
             time.sleep(1.0)
@@ -556,6 +620,8 @@ class SoakReport:
     # prefill refused or aborted a room -> decode acted on the notice: seconds, from the servers' decision lines
     notify_latency: dict[str, Any] = field(default_factory=dict)
     forged_control: dict[str, Any] = field(default_factory=dict)
+    # late room -> the request decoding over its pages when the write was landed (rooms absent: landed on timer)
+    late_write_landings: dict[str, str] = field(default_factory=dict)
 
     def violations(self) -> list[str]:
         """What a hardened run must never show (empty: the run held every promise the soak checks)."""
@@ -594,7 +660,7 @@ def start_topology(topo: SoakTopology, load: SoakLoad, hardened: bool, log_dir: 
     if hardened:  # the pools are deliberately smaller than the context (the incident): the gate only logs
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
     if load.late_writes:
-        env.update({**load.late_write_env(), KVTRACE_ENV: str(log_dir / "kvtrace")})
+        env.update({**load.late_write_trigger_env(log_dir / "kvtrace"), KVTRACE_ENV: str(log_dir / "kvtrace")})
         if hardened:  # the sender's bound on a timed-out write's lifetime must cover the injected delay
             env["SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"] = str(int(load.late_write_delay_s + 3))
     common: dict[str, Any] = dict(
@@ -618,7 +684,7 @@ def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtr
           progress: Callable[[str], None] | None = None, log_dir: str = "") -> SoakReport:
     """Run the load against ``target`` and judge it."""
     before = {name: pool_of(url).get("decisions", {}) for name, url in target.nodes.items()}
-    run = LoadRun(target, load, topo, progress)
+    run = LoadRun(target, load, topo, progress, kvtrace_dir)
     wall = run.run()
     settled = quiesce(target, load.quiesce_timeout_s)
     after = {name: pool_of(url).get("decisions", {}) for name, url in target.nodes.items()}
@@ -632,7 +698,8 @@ def drive(target: Target, load: SoakLoad, topo: SoakTopology, variant: str, kvtr
         write_outcomes(Path(log_dir) / "outcomes.jsonl", run.outcomes)
     return SoakReport(variant, asdict(topo), asdict(load), round(wall, 1), summary, trace, settled, refusals, log_dir,
                       notify_summary(Path(log_dir)) if log_dir else {},
-                      forged_summary(run.forged) if load.forged_control_every_s > 0 else {})
+                      forged_summary(run.forged) if load.forged_control_every_s > 0 else {},
+                      {str(room): rid for room, rid in run.lander.fired.items()} if run.lander else {})
 
 
 def write_outcomes(path: Path, outcomes: list[Outcome]) -> None:

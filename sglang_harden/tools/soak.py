@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from sglang_harden.testbed.soak import SoakTopology
+
     parser.add_argument("--pin", help="SGLang pin whose testbed venv runs the servers (not with --state)")
     parser.add_argument("--backend", default="mooncake", choices=("mooncake", "nixl"))
     parser.add_argument("--profile", default="paged16", choices=sorted(PROFILES))
@@ -32,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefills", type=int, default=1, help="prefill servers; >1 (or --decodes >1): a fleet"
                         " behind sglang-router")
     parser.add_argument("--decodes", type=int, default=1, help="decode servers (e.g. --prefills 2 --decodes 2)")
-    parser.add_argument("--decode-pool-tokens", type=int, default=2048,
-                        help="each decode server's KV pool (--max-total-tokens; default 2048)")
+    parser.add_argument("--decode-pool-tokens", type=int, default=SoakTopology.decode_max_total_tokens,
+                        help="each decode server's KV pool (--max-total-tokens; default %(default)s: one"
+                        " request's pages stay under the 2 %% quarantine bound)")
     parser.add_argument("--prefill-pool-tokens", type=int, default=640,
                         help="each prefill server's KV pool (default 640: below the context, so oversized prompts"
                         " reach the incident)")

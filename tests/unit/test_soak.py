@@ -148,6 +148,8 @@ def test_late_write_env_names_each_room_once_and_gives_up_the_engine_call() -> N
     assert float(delay) == 6.0 and timeout == "timeout=1.0" and rid_prefix == f"rid_prefix={soak.LATE_RID_PREFIX}"
     assert [int(r) for r in rooms.split(",")] == load.late_rooms() and len(set(load.late_rooms())) == 3
     assert soak.SoakLoad().late_write_env() == {}
+    with_trigger = load.late_write_trigger_env(Path("/t"))[soak.LATE_WRITE_ENV]
+    assert with_trigger == f"{env}:trigger=/t/{soak.LATE_TRIGGER}"
     assert _outcome("late_write", 500).verdict == "faulted"
 
 
@@ -227,3 +229,33 @@ def test_forged_control_summary_and_violation() -> None:
                                           "GET /sglang_harden/aborts -1": 1}))
     assert (leaked["sent"], leaked["refused_401"], leaked["accepted"]) == (6, 3, 2)
     assert "accepted 2 forged" in _report(forged_control=leaked).violations()[0]
+
+
+def _lines(path: Path, *events: dict[str, object]) -> None:
+    import json
+
+    with path.open("a") as out:
+        for event in events:
+            out.write(json.dumps(event) + "\n")
+
+
+def test_late_write_lands_when_another_request_decodes_over_its_pages(tmp_path: Path) -> None:
+    lander = soak.LateWriteLander(tmp_path)
+    trigger = tmp_path / soak.LATE_TRIGGER
+    _lines(tmp_path / "latewrite-1.jsonl", {"event": "kv_send", "room": 5, "t": 10.0, "dst_pages": [7, 8]},
+           {"event": "engine_timeout", "room": 5, "t": 11.0})
+    _lines(tmp_path / "kvtrace-2.jsonl",
+           {"event": "first_decode", "rid": "early", "t": 10.5, "pages": [7]},  # before the failure: its own
+           {"event": "first_decode", "rid": f"{soak.LATE_RID_PREFIX}0", "t": 12.0, "pages": [8]},  # the late one
+           {"event": "first_decode", "rid": "elsewhere", "t": 12.5, "pages": [9]})
+    lander.step()
+    assert not trigger.exists() and lander.fired == {}
+    _lines(tmp_path / "kvtrace-2.jsonl", {"event": "first_decode", "rid": "victim", "t": 13.0, "pages": [8, 9]})
+    (tmp_path / "kvtrace-2.jsonl").open("a").write('{"event": "first_dec')  # a line still being written
+    lander.step()
+    assert trigger.exists() and lander.fired == {5: "victim"}
+    lander.step()
+    assert trigger.exists()  # kept until the write has landed
+    _lines(tmp_path / "latewrite-1.jsonl", {"event": "late_write", "room": 5, "t": 13.1})
+    lander.step()
+    assert not trigger.exists() and lander.fired == {5: "victim"}
