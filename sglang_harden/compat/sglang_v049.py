@@ -25,7 +25,6 @@ from sglang_harden.compat.shared import (
     bootstrap_base_url,
     capacity_gate,
     door,
-    front_answers_refusals_after_send,
     in_scheduler,
     peer_status_abort,
     report_state,
@@ -196,8 +195,6 @@ HOOKS: list[Hook] = [
          validation_refusal),
     Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),
          tokenization_refusal),
-    Hook("abort_notify", TOKENIZER, "TokenizerManager._send_one_request", ("self", "obj", "tokenized_obj"),
-         front_answers_refusals_after_send),
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"), report_state()),
 ]

@@ -357,19 +357,6 @@ def front_answers_refusals(original: Func) -> Func:
     return dispatch
 
 
-def front_answers_refusals_after_send(original: Func) -> Func:
-    """0.4.9's ``TokenizerManager._send_one_request(obj, tokenized_obj)``, which makes the request's state right
-    after sending it to the scheduler: the same watch as ``front_answers_refusals``."""
-
-    def send(self: Any, obj: Any, tokenized_obj: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, obj, tokenized_obj, *args, **kwargs)
-        if _front_role(self) == "decode":
-            _watch_at_front(self, tokenized_obj)
-        return result
-
-    return send
-
-
 def _watch_at_front(tokenizer_manager: Any, obj: Any) -> None:
     rid, room = getattr(obj, "rid", None), getattr(obj, "bootstrap_room", None)
     host, port = getattr(obj, "bootstrap_host", None), getattr(obj, "bootstrap_port", None)

@@ -172,8 +172,9 @@ class LateWriteLander:
     without such a victim the shim lands the write after ``late_write_delay_s``). Vanilla decode hands those
     pages on once it gives up on the room, so the write lands in the victim's context; hardened decode holds
     them in quarantine, so it lands in pages no one reads. With several decode nodes page ids repeat across
-    them: a victim on another node makes the landing a miss, never a false foreign read. Late writes must not
-    overlap (one trigger file); the soak spaces them ``duration / (late_writes + 1)`` apart."""
+    them, so only a victim on the node that took the late request in counts (the tracer's ``admitted`` lines).
+    Late writes must not overlap (one trigger file); the soak spaces them ``duration / (late_writes + 1)``
+    apart."""
 
     def __init__(self, trace_dir: Path) -> None:
         self.trace_dir, self.trigger = trace_dir, trace_dir / LATE_TRIGGER
@@ -188,12 +189,11 @@ class LateWriteLander:
                    if w.get("event") == "engine_timeout" and w.get("room") not in landed | set(self.fired)}
         if not pending:
             return
-        decodes = [e for e in _jsonl_events(self.trace_dir, "kvtrace-") if e.get("event") == "first_decode"
-                   and not str(e.get("rid", "")).startswith(LATE_RID_PREFIX)]
+        rid_of = {w.get("room"): str(w.get("rid")) for w in writes if w.get("event") == "room_learnt"}
         for room, failed_at in pending.items():
             pages = {p for w in writes if w.get("event") == "kv_send" and w.get("room") == room
                      for p in w.get("dst_pages") or ()}
-            victim = next((e for e in decodes if float(e.get("t", 0)) > failed_at
+            victim = next((e for e in self._decodes_beside(rid_of.get(room)) if float(e.get("t", 0)) > failed_at
                            and pages.intersection(e.get("pages") or ())), None)
             if victim is not None:
                 self.trigger.parent.mkdir(parents=True, exist_ok=True)
@@ -202,15 +202,32 @@ class LateWriteLander:
                 return
 
 
+    def _decodes_beside(self, late_rid: str | None) -> list[dict[str, Any]]:
+        """First decode steps of other requests on the decode node that took ``late_rid`` in (each decode
+        scheduler writes its own trace file); with the node unknown, none (the write lands on its timer)."""
+        for path in sorted(self.trace_dir.glob("kvtrace-*.jsonl")):
+            events = _jsonl_lines(path)
+            if any(e.get("event") == "admitted" and e.get("rid") == late_rid for e in events):
+                return [e for e in events if e.get("event") == "first_decode"
+                        and not str(e.get("rid", "")).startswith(LATE_RID_PREFIX)]
+        return []
+
+
+def _jsonl_lines(path: Path) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
+
+
 def _jsonl_events(folder: Path, stem: str) -> list[dict[str, Any]]:
     """Every complete JSON line of ``<stem>*.jsonl`` in ``folder`` (a line still being written is skipped)."""
     events: list[dict[str, Any]] = []
     for path in sorted(folder.glob(f"{stem}*.jsonl")) if folder.exists() else []:
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                events.append(json.loads(line))
-            except ValueError:
-                continue
+        events += _jsonl_lines(path)
     return events
 
 

@@ -159,3 +159,42 @@ def test_only_this_host_may_post_aborts(remote: str | None, local: str | None, s
 
 def test_watcher_survives_unreachable_bootstrap() -> None:
     assert notify.fetch_aborts("127.0.0.1:9", [1, 2]) == []
+
+
+class _ReqState:
+    """The fields of SGLang's tokenizer ``ReqState`` the front answer touches (SGLang's tokenizer process is
+    exercised end to end in tests/e2e/test_guards_e2e.py; this covers the races around it)."""
+
+    def __init__(self, input_ids: list[int]) -> None:
+        import asyncio
+
+        self.out_list: list[dict[str, Any]] = []
+        self.finished = False
+        self.event = asyncio.Event()
+        self.obj = type("Obj", (), {"input_ids": input_ids})()
+
+
+def test_front_answer_ends_only_the_request_it_was_watching() -> None:
+    import asyncio
+    import weakref
+
+    from sglang_harden.compat import shared
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        live, replaced, done = _ReqState([1, 2, 3]), _ReqState([4]), _ReqState([5])
+        done.finished = True
+        manager = type("TM", (), {})()
+        manager.rid_to_state = {"a": live, "b": _ReqState([6]), "c": done}
+        refusal = notify.PeerAbort(11, 400, "too long", sent_kv=False)
+        for rid, state in (("a", live), ("b", replaced), ("c", done)):
+            shared.finish_at_front(shared.FrontWait(manager, loop, rid, weakref.ref(state)), refusal)
+        assert "a" not in manager.rid_to_state and live.finished and live.event.is_set()
+        meta = live.out_list[-1]["meta_info"]
+        assert meta["finish_reason"] == {"type": "abort", "message": "too long", "status_code": 400}
+        assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 0
+        # a rid whose state is another object now (a new request), or already finished, is left alone
+        assert "b" in manager.rid_to_state and not replaced.out_list
+        assert "c" in manager.rid_to_state and not done.out_list
+
+    asyncio.run(scenario())

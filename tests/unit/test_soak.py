@@ -242,12 +242,16 @@ def _lines(path: Path, *events: dict[str, object]) -> None:
 def test_late_write_lands_when_another_request_decodes_over_its_pages(tmp_path: Path) -> None:
     lander = soak.LateWriteLander(tmp_path)
     trigger = tmp_path / soak.LATE_TRIGGER
-    _lines(tmp_path / "latewrite-1.jsonl", {"event": "kv_send", "room": 5, "t": 10.0, "dst_pages": [7, 8]},
+    late = f"{soak.LATE_RID_PREFIX}0"
+    _lines(tmp_path / "latewrite-1.jsonl", {"event": "room_learnt", "rid": late, "room": 5, "t": 9.0},
+           {"event": "kv_send", "room": 5, "t": 10.0, "dst_pages": [7, 8]},
            {"event": "engine_timeout", "room": 5, "t": 11.0})
-    _lines(tmp_path / "kvtrace-2.jsonl",
+    _lines(tmp_path / "kvtrace-2.jsonl", {"event": "admitted", "rid": late, "t": 9.5},
            {"event": "first_decode", "rid": "early", "t": 10.5, "pages": [7]},  # before the failure: its own
-           {"event": "first_decode", "rid": f"{soak.LATE_RID_PREFIX}0", "t": 12.0, "pages": [8]},  # the late one
+           {"event": "first_decode", "rid": late, "t": 12.0, "pages": [8]},  # the late request itself
            {"event": "first_decode", "rid": "elsewhere", "t": 12.5, "pages": [9]})
+    # the same page ids on another decode node are other pages
+    _lines(tmp_path / "kvtrace-3.jsonl", {"event": "first_decode", "rid": "other-node", "t": 12.6, "pages": [8]})
     lander.step()
     assert not trigger.exists() and lander.fired == {}
     _lines(tmp_path / "kvtrace-2.jsonl", {"event": "first_decode", "rid": "victim", "t": 13.0, "pages": [8, 9]})

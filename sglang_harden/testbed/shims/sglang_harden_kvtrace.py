@@ -175,10 +175,25 @@ def _wrap_commit(original: Any) -> Any:
     return commit
 
 
+def _wrap_admit(original: Any) -> Any:
+    @functools.wraps(original)
+    def add(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        try:  # which decode node took which request in (trace files are per scheduler process)
+            _emit({"event": "admitted", "rid": req.rid})
+        except Exception as exc:
+            _emit({"event": "error", "where": "admit", "error": repr(exc)})
+        return original(self, req, *args, **kwargs)
+
+    return add
+
+
 def _patch_decode(module: ModuleType) -> None:
     queue = getattr(module, "DecodeTransferQueue", None)
     if queue is not None and hasattr(queue, "_commit_transfer_to_req"):
         wrap_methods_once(queue, "_sglang_harden_kvtrace", {"_commit_transfer_to_req": _wrap_commit})
+    prealloc = getattr(module, "DecodePreallocQueue", None)
+    if prealloc is not None and hasattr(prealloc, "add"):
+        wrap_methods_once(prealloc, "_sglang_harden_kvtrace_admit", {"add": _wrap_admit})
 
 
 def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
