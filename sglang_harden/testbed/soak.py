@@ -201,7 +201,6 @@ class LateWriteLander:
                 self.fired[room] = str(victim["rid"])
                 return
 
-
     def _decodes_beside(self, late_rid: str | None) -> list[dict[str, Any]]:
         """First decode steps of other requests on the decode node that took ``late_rid`` in (each decode
         scheduler writes its own trace file); with the node unknown, none (the write lands on its timer)."""
@@ -771,6 +770,7 @@ def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) ->
         ("max time to refuse (s)", lambda r: _fmt(r.summary["refused_max_s"])),
         ("decode told of refusal p50/max (s)",
          lambda r: f"{_fmt(r.notify_latency.get('p50_s'))}/{_fmt(r.notify_latency.get('max_s'))}"),
+        ("late writes landed on a victim", _landings),
         ("quarantine max (pages, share)",
          lambda r: f"{r.summary['quarantine_max_pages']} ({r.summary['quarantine_max_share']:.2%})"),
         ("leaked at quiesce (tokens p/d)", lambda r: _per_role(r.quiesce, "leaked_tokens")),
@@ -793,6 +793,11 @@ def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) ->
         for violation in report.violations():
             lines.append(f"{report.variant}: {violation}")
     return "\n".join(lines)
+
+
+def _landings(report: SoakReport) -> str:
+    late = report.load.get("late_writes")
+    return f"{len(report.late_write_landings)} of {late}" if late else "-"
 
 
 def _per_role(per_node: dict[str, dict[str, Any]], key: str) -> str:
