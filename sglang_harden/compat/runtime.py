@@ -31,7 +31,7 @@ class Runtime:
     watcher: notify.DecodeWatcher | None = None
     feed: digest_channel.DigestFeed | None = None
     # decode's tokenizer process: answers a client whose request prefill refused, without the scheduler
-    door_watcher: notify.DecodeWatcher | None = None
+    front_answer_watcher: notify.DecodeWatcher | None = None
     # Decode's KV pool (set at its scheduler's start-up), where the canary stamps pages.
     decode_kv_pool: Any = None
     # Set by the lifecycle adapter on decode: prefill said it never queued a write for (room, bootstrap addr).
@@ -67,9 +67,10 @@ class Runtime:
         if self.config.abort_notify.value == "off":
             return None
         with self._lock:
-            if self.door_watcher is None:
-                self.door_watcher = notify.DecodeWatcher(on_abort, concluded, name="sglang-harden-front-watcher")
-            return self.door_watcher
+            if self.front_answer_watcher is None:
+                self.front_answer_watcher = notify.DecodeWatcher(on_abort, concluded,
+                                                                 name="sglang-harden-front-watcher")
+            return self.front_answer_watcher
 
     def digest_feed(self) -> digest_channel.DigestFeed | None:
         """Decode's reader of prefill digest feeds (made on first use), or None with the checksum guard off."""
