@@ -384,6 +384,12 @@ class PrefillNode:
         for room in rooms:
             self.failed_writes[int(room)] = now
 
+    def failed_without_write_in_flight(self, room: int) -> bool:
+        """Called by the transfer worker that fails ``room``: no write of the room can still land. Mooncake's
+        writes are synchronous on the worker that fails the room (it dequeued the room's only chunk in flight),
+        so only a write the transport gave up on (:meth:`note_failed_write`) may still land."""
+        return room not in self.failed_writes
+
     def write_may_land(self, room: int) -> bool:
         """A failed write of ``room`` may still land (within its lifetime; lifetime 0: until the sender is gone)."""
         failed_at = self.failed_writes.get(room)
@@ -975,6 +981,36 @@ def _nixl_send_kvcache(original: Func) -> Func:
     return send_kvcache
 
 
+def _failure_with_drain_evidence(original: Func) -> Func:
+    """0.5.19's transfer worker fails every room queued for a decode session it has just marked failed, without
+    writing anything of them. Decode cannot tell those rooms from the one whose write failed, so it quarantined
+    all of them until a drain ack came back (a dozen rooms at once on a busy node). The worker that fails a room
+    with no write of it in flight now sends the drain ack first, on the same socket as the failure, so decode
+    frees the pages at once; a room whose write failed gets no ack here (its ack waits for the write lifetime)."""
+
+    def sync_status(self: Any, remote: str, dst_port: int, room: int, status: int, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if (isinstance(node, PrefillNode) and status == _kv_poll().failed and not getattr(self, "enable_staging", False)
+                and node.failed_without_write_in_flight(int(room))):
+            _send_drain_evidence(self, remote, dst_port, int(room))
+        return original(self, remote, dst_port, room, status, *args, **kwargs)
+
+    return sync_status
+
+
+def _send_drain_evidence(mgr: Any, decode_ip: str, decode_port: int, room: int) -> None:
+    """SGLang's own drain ack, past :func:`_withhold_ack` (which waits for the worker's chunk to be counted
+    done: the worker sending this is that chunk, and it wrote nothing)."""
+    send_ack = inspect.unwrap(type(mgr)._send_abort_ack)
+    try:
+        send_ack(mgr, decode_ip, decode_port, room)
+    except Exception as exc:  # noqa: BLE001 - decode then quarantines the pages and asks for the ack itself
+        logger.warning("sglang-harden lifecycle: drain ack with the failure of room %s not sent: %r", room, exc)
+        return
+    events.record(Decision(lifecycle.GUARD, Verdict.RELEASE, "room failed with no write of it in flight: drain "
+                           "ack sent with the failure", None, {"room": room}), Mode.ENFORCE)
+
+
 def _keep_poisoned_target(original: Func) -> Func:
     """0.5.23 "poisons" a room whose writes it cannot prove drained (a failed post, a handle that never settled)
     and drops its drain-ack target for good. The room becomes a failed write here (unsettled for the write
@@ -1078,9 +1114,18 @@ POISON_HOOKS = [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_roo
                      _keep_poisoned_target)]
 
 
+# Pins whose Mooncake transfer worker tells decode of a room's status itself, one endpoint at a time (later pins
+# conclude a room through CommonKVManager).
+SYNCS_STATUS_PER_ENDPOINT = ("0.5.19",)
+
+EVIDENCE_HOOKS = [Hook("lifecycle", MOONCAKE, "MooncakeKVManager.sync_status_to_decode_endpoint",
+                       ("self", "remote", "dst_port", "room", "status"), _failure_with_drain_evidence)]
+
+
 def pin_hooks() -> list[Hook]:
     """Hooks only some pins of the family have targets for (merged into sglang_v05.HOOKS)."""
-    return POISON_HOOKS if RUNTIME.pin in POISONS_UNDRAINED_ROOMS else []
+    return ((POISON_HOOKS if RUNTIME.pin in POISONS_UNDRAINED_ROOMS else [])
+            + (EVIDENCE_HOOKS if RUNTIME.pin in SYNCS_STATUS_PER_ENDPOINT else []))
 
 
 ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"}}

@@ -342,4 +342,4 @@ MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learn
 
 # Hooks whose targets only some releases of the family have; HOOKS takes them by pin (above). `compat sweep`
 # probes every release for them.
-OPTIONAL_HOOKS: list[Hook] = [*RETIRED_RESULT_HOOKS, *lifecycle_v05.POISON_HOOKS]
+OPTIONAL_HOOKS: list[Hook] = [*RETIRED_RESULT_HOOKS, *lifecycle_v05.POISON_HOOKS, *lifecycle_v05.EVIDENCE_HOOKS]

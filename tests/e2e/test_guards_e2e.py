@@ -25,10 +25,17 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.client import generate, greedy_body
-from sglang_harden.testbed.decisions import notify_latencies
+from sglang_harden.testbed.client import PairResult, generate, greedy_body, pd_generate
+from sglang_harden.testbed.decisions import decision_lines, notify_latencies
 from sglang_harden.testbed.envs import load_pins
-from sglang_harden.testbed.incident import IncidentSetup, start_incident_pair, tenant_a_prompt, tenant_b_prompt
+from sglang_harden.testbed.incident import (
+    KVTRACE_ENV,
+    IncidentSetup,
+    start_incident_pair,
+    tenant_a_prompt,
+    tenant_b_prompt,
+)
+from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
 from sglang_harden.testbed.server import PDPair, Server
 from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY
 
@@ -54,6 +61,15 @@ HOLDER_HEAD_START_S = 1.5
 STALL_ENV = "SGLANG_HARDEN_TESTBED_STALL_DECODE"
 STALL_TRIGGER = "stall-decode"
 STALL_S = 10.0
+# test-only latewrite shim on the hardened pair: the engine call for this room gives up after LATE_TIMEOUT_S (its
+# decode session is then marked failed) while its bytes land LATE_DELAY_S after the send started
+LATE_ROOM = 7_600_000_001
+LATE_TIMEOUT_S = 3.0
+LATE_DELAY_S = 8.0
+LATE_LIFETIME_S = 12  # the sender's bound on that write's lifetime (covers the delay)
+# pins whose decode frees a room prefill failed at once (our quarantine then holds A's pages); later pins hold a
+# failed room's pages themselves until prefill acks the drain (SGLang's deferred release)
+FREES_A_FAILED_ROOM_AT_ONCE = ("0.5.19",)
 RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
 
 
@@ -104,9 +120,12 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
     truncate = kind.endswith("truncate")
     if truncate:
         return _start_truncating(pin, hardened, log_dir)
-    stall = {STALL_ENV: f"{log_dir / STALL_TRIGGER}:{STALL_S}"} if hardened else {}
+    shims = {STALL_ENV: f"{log_dir / STALL_TRIGGER}:{STALL_S}",
+             LATE_WRITE_ENV: f"{LATE_DELAY_S}:{LATE_ROOM}:timeout={LATE_TIMEOUT_S}",
+             KVTRACE_ENV: str(log_dir / "kvtrace"),
+             "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(LATE_LIFETIME_S)} if hardened else {}
     return start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, router=True,
-                               harden_env={**HARDEN_ENV, **stall}, progress=True)
+                               harden_env={**HARDEN_ENV, **shims}, progress=True)
 
 
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
@@ -250,6 +269,58 @@ def test_refusal_answered_while_decode_scheduler_is_stalled(pairs: PairFactory, 
         f"B answered in {b.decode.elapsed_s:.1f} s: decode waited for its stalled scheduler")
     state = _wait_pool_full(pair.decode, timeout=STALL_S + PROMPT_BOUND_S)
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
+
+
+def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFactory, pin: str) -> None:
+    """A's engine call gives up (prefill marks A's decode session failed) while its bytes may still land; C, queued
+    behind A for the same decode session, is failed without a byte of it written. Decode must quarantine A's pages
+    and free C's at once: quarantining every room a failed session takes down held 59 pages at once in a 0.5.19
+    soak (7.7 % of a decode pool, bound 2 %)."""
+    pair = pairs("hardened")
+    assert pair.prefill.bootstrap_port is not None
+    late: dict[str, PairResult] = {}
+
+    def send(name: str, seed: int, room: int) -> PairResult:
+        body = greedy_body(tenant_a_prompt(seed, 60), SETUP.new_tokens, rid=f"session-{name}-{room}")
+        return pd_generate(pair.prefill.url, pair.decode.url, pair.prefill.bootstrap_port, body, room=room,
+                           timeout=120)
+
+    a = threading.Thread(target=lambda: late.update(a=send("A", 21, LATE_ROOM)))
+    a.start()
+    _wait_for_late_send(pair.log_dir / "kvtrace", LATE_ROOM)
+    c_room = 7_600_000_100 + int(time.time()) % 100_000
+    c = send("C", 22, c_room)
+    a.join()
+    assert "session" in c.prefill.error_message() and not c.decode.ok, (
+        "C was not failed behind A's failed write (scenario timing)", c.prefill.summary(), c.decode.summary())
+    quarantined = _quarantined_pages_by_room(pair.decode.log_text())
+    if pin in FREES_A_FAILED_ROOM_AT_ONCE:
+        assert quarantined.get(LATE_ROOM, 0) > 0, ("A's pages must go to quarantine", quarantined)
+    assert c_room not in quarantined, ("C's pages were quarantined though nothing of C was written", quarantined)
+    state = _wait_pool_full(pair.decode, timeout=LATE_DELAY_S + LATE_LIFETIME_S + 30)
+    assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
+
+
+def _wait_for_late_send(trace_dir: Path, room: int, timeout: float = 60.0) -> None:
+    """Until the latewrite shim logged the KV send of ``room`` (its engine call is then pending)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for path in trace_dir.glob("latewrite-*.jsonl"):
+            if f'"kv_send", "room": {room},' in path.read_text():
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no KV send of room {room} within {timeout} s (latewrite shim not armed?)")
+
+
+def _quarantined_pages_by_room(log_text: str) -> dict[int, int]:
+    pages: dict[int, int] = {}
+    for decision in decision_lines(log_text):
+        owner = str(decision.get("owner") or "")
+        if decision.get("guard") == "lifecycle" and decision.get("decision") == "quarantine" and owner.startswith(
+                "room:"):
+            room = int(owner.removeprefix("room:"))
+            pages[room] = pages.get(room, 0) + int(decision.get("pages") or 0)
+    return pages
 
 
 def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> None:

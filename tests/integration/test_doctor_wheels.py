@@ -132,6 +132,8 @@ def test_compat_sweep_agrees_with_the_supported_pins(pin: str) -> None:
                  for h in sglang_v05.RETIRED_RESULT_HOOKS}
         gated |= {f"{h.owner}: {h.target}": pin in lifecycle_v05.POISONS_UNDRAINED_ROOMS
                   for h in lifecycle_v05.POISON_HOOKS}
+        gated |= {f"{h.owner}: {h.target}": pin in lifecycle_v05.SYNCS_STATUS_PER_ENDPOINT
+                  for h in lifecycle_v05.EVIDENCE_HOOKS}
         assert report.optional == gated
 
 

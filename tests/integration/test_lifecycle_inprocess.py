@@ -475,14 +475,19 @@ def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
 
 
 def test_pin_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
-    """On pins that poison undrained rooms (0.5.23) the poison is hooked; elsewhere there is nothing to hook."""
+    """On pins that poison undrained rooms (0.5.23) the poison is hooked, on pins whose Mooncake worker syncs a
+    room's status per endpoint (0.5.19) that sync is; elsewhere there is nothing to hook."""
     from sglang.srt.disaggregation.common.conn import CommonKVManager
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     from sglang_harden.compat.hooks import is_in_place
 
-    extra = lifecycle_v05.pin_hooks()
-    assert bool(extra) == hasattr(CommonKVManager, "poison_deferred_ack_room")
-    assert all(is_in_place(h) for h in extra)
+    targets = {h.qualname for h in lifecycle_v05.pin_hooks()}
+    assert ("CommonKVManager.poison_deferred_ack_room" in targets) == hasattr(CommonKVManager,
+                                                                              "poison_deferred_ack_room")
+    assert ("MooncakeKVManager.sync_status_to_decode_endpoint" in targets) == hasattr(
+        MooncakeKVManager, "sync_status_to_decode_endpoint")
+    assert all(is_in_place(h) for h in lifecycle_v05.pin_hooks())
 
 
 def test_nixl_failed_post_is_a_failed_write(sglang_modules: dict[str, Any]) -> None:
@@ -510,6 +515,44 @@ def test_nixl_failed_post_is_a_failed_write(sglang_modules: dict[str, Any]) -> N
         mgr._staging_outstanding[ROOM_A] = 0
         assert not node.settled(ROOM_A)
         assert lifecycle_v05._nixl_send_kvcache(lambda *a: "handle")(mgr, "agent-d", np.arange(4)) == "handle"
+    finally:
+        lifecycle_v05.NODE = None
+
+
+def test_failure_without_a_write_in_flight_carries_its_drain_ack(sglang_modules: dict[str, Any]) -> None:
+    """The transfer worker fails a room it wrote nothing of (its decode session was just marked failed): the
+    drain ack goes out first, on the same channel, so decode frees the pages instead of quarantining them. A room
+    whose write failed (it may still land) and a success get no ack."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    node = _prefill_node_with_short_lifetime(sglang_modules)
+    node.lifetime_s = 30.0
+
+    class Manager:
+        enable_staging = False
+
+        def __init__(self) -> None:
+            self.sent: list[tuple[Any, ...]] = []
+
+        def _send_abort_ack(self, decode_ip: str, decode_port: int, room: int) -> None:
+            self.sent.append(("ack", room))
+
+    def sync_status(self: Manager, remote: str, dst_port: int, room: int, status: int, prefill_rank: int) -> None:
+        self.sent.append(("status", room, status))
+
+    try:
+        mgr = Manager()
+        sync = lifecycle_v05._failure_with_drain_evidence(sync_status)
+        node.note_failed_write([ROOM_A])
+        sync(mgr, "127.0.0.1", 9, ROOM_B, KVPoll.Failed, 0)
+        sync(mgr, "127.0.0.1", 9, ROOM_A, KVPoll.Failed, 0)
+        sync(mgr, "127.0.0.1", 9, ROOM_B, KVPoll.Success, 0)
+        assert mgr.sent == [("ack", ROOM_B), ("status", ROOM_B, KVPoll.Failed), ("status", ROOM_A, KVPoll.Failed),
+                            ("status", ROOM_B, KVPoll.Success)]
+        Manager.enable_staging = True  # staged writes are not synchronous on the worker: no evidence
+        mgr.sent.clear()
+        sync(mgr, "127.0.0.1", 9, ROOM_B, KVPoll.Failed, 0)
+        assert mgr.sent == [("status", ROOM_B, KVPoll.Failed)]
     finally:
         lifecycle_v05.NODE = None
 
