@@ -16,7 +16,6 @@ Oracles, both collected by :func:`run_incident`:
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import PairResult, greedy_body
 from sglang_harden.testbed.profiles import Profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
@@ -67,13 +67,9 @@ def tenant_b_prompt(length: int) -> list[int]:
     return [3 + (i * 37) % 500 for i in range(length)]
 
 
-def read_kvtrace(folder: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for path in sorted(Path(folder).glob("kvtrace-*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                events.append(json.loads(line))
-    return events
+def read_kvtrace(folder: Path, live: bool = False) -> list[dict[str, Any]]:
+    """The KV tracer's events (``live``: while the servers still write them; see :mod:`.jsonl`)."""
+    return jsonl.read_folder(folder, "kvtrace-", live)
 
 
 def first_decode_event(folder: Path, rid: str) -> dict[str, Any] | None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_harden.events import LOG_TAG as DECISION_TAG
+from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
 from sglang_harden.testbed.profiles import get_profile
@@ -185,8 +186,13 @@ class LandingTrigger:
 
     def _run(self) -> None:
         while not self._stop.is_set() and self.fired_for is None:
-            a_pages = _send_targets(_late_writes(self.trace))
-            for event in read_kvtrace(self.trace):
+            try:
+                a_pages = _send_targets(_late_writes(self.trace, live=True))
+                events = read_kvtrace(self.trace, live=True)
+            except ValueError as exc:  # a broken trace line: the scenario's checks then name it
+                self.reason = f"trace unreadable: {exc}"
+                return
+            for event in events:
                 reason = self._reason(event, a_pages)
                 if reason is not None:
                     self._fire(str(event["rid"]), reason)
@@ -199,7 +205,7 @@ class LandingTrigger:
 
 
 def _landed(trace: Path) -> bool:
-    return any(w.get("event") == "late_write" for w in _late_writes(trace))
+    return any(w.get("event") == "late_write" for w in _late_writes(trace, live=True))
 
 
 def _pool(pair: PDPair) -> dict[str, Any]:
@@ -309,11 +315,8 @@ def run_scenario(
     }
 
 
-def _late_writes(folder: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for path in sorted(folder.glob("latewrite-*.jsonl")) if folder.exists() else []:
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
+def _late_writes(folder: Path, live: bool = False) -> list[dict[str, Any]]:
+    return jsonl.read_folder(folder, "latewrite-", live)
 
 
 def _send_targets(writes: list[dict[str, Any]]) -> set[int]:

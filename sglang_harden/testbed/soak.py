@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import generate, http_json
 from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, read_kvtrace
@@ -181,7 +182,7 @@ class LateWriteLander:
         self.fired: dict[int, str] = {}  # late room -> the victim it landed for
 
     def step(self) -> None:
-        writes = _jsonl_events(self.trace_dir, "latewrite-")
+        writes = jsonl.read_folder(self.trace_dir, "latewrite-", live=True)
         landed = {w.get("room") for w in writes if w.get("event") == "late_write"}
         if self.trigger.exists() and all(room in landed for room in self.fired):
             self.trigger.unlink(missing_ok=True)  # the last landing happened: ready for the next late write
@@ -205,29 +206,11 @@ class LateWriteLander:
         """First decode steps of other requests on the decode node that took ``late_rid`` in (each decode
         scheduler writes its own trace file); with the node unknown, none (the write lands on its timer)."""
         for path in sorted(self.trace_dir.glob("kvtrace-*.jsonl")):
-            events = _jsonl_lines(path)
+            events = jsonl.read_lines(path, live=True)
             if any(e.get("event") == "admitted" and e.get("rid") == late_rid for e in events):
                 return [e for e in events if e.get("event") == "first_decode"
                         and not str(e.get("rid", "")).startswith(LATE_RID_PREFIX)]
         return []
-
-
-def _jsonl_lines(path: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            continue
-    return events
-
-
-def _jsonl_events(folder: Path, stem: str) -> list[dict[str, Any]]:
-    """Every complete JSON line of ``<stem>*.jsonl`` in ``folder`` (a line still being written is skipped)."""
-    events: list[dict[str, Any]] = []
-    for path in sorted(folder.glob(f"{stem}*.jsonl")) if folder.exists() else []:
-        events += _jsonl_lines(path)
-    return events
 
 
 # ------------------------------------------------------------------------------------------ request driving
