@@ -27,6 +27,7 @@ from sglang_harden.compat.shared import (
     front_answers_refusals,
     in_scheduler,
     peer_status_abort,
+    prefill_front_door,
     publish_peer_abort,
     publish_retired_abort,
     report_state,
@@ -311,6 +312,9 @@ HOOKS: list[Hook] = [
     Hook("abort_notify", CONN, "CommonKVManager.is_abort_release_safe", ("self", "bootstrap_room", "required_acks"),
          _release_when_never_written),
     *_retired_result_hooks(),
+    # Listed before abort_notify's validation hook, so its wrapper sits outside and posts this refusal too.
+    Hook("admission", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
+         prefill_front_door),
     Hook("abort_notify", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
          validation_refusal),
     Hook("abort_notify", TOKENIZER, "TokenizerManager._tokenize_one_request", ("self", "obj"),

@@ -274,6 +274,30 @@ def fail_receiver_room(receiver: Any, abort: notify.PeerAbort) -> None:
         receiver.conclude_state = KVPoll.Failed
 
 
+def prefill_front_door(original: Func) -> Func:
+    """``TokenizerManager._validate_one_request`` on a PD prefill: a prompt the scheduler is certain to refuse as too
+    long for the pool is refused here, before it queues for a scheduler loop (the abort-notify wrapper outside
+    posts the refusal on the abort board, so decode answers its half too)."""
+
+    def validate(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, obj, input_ids, *args, **kwargs)
+        if not _is_prefill_front(self):
+            return result
+        limit = self.max_req_input_len
+        view = admission.FrontView(
+            rid=str(getattr(obj, "rid", None)),
+            prompt_len=None if input_ids is None else len(input_ids),
+            limit=None if limit is None else int(limit),
+            truncates=bool(getattr(self.server_args, "allow_auto_truncate", False)),
+        )
+        decision = admission.decide_at_front(view)
+        if events.record(decision, RUNTIME.config.admission, room=getattr(obj, "bootstrap_room", None)):
+            raise ValueError(decision.reason)
+        return result
+
+    return validate
+
+
 def validation_refusal(original: Func) -> Func:
     """``TokenizerManager._validate_one_request``: a refusal on prefill's front door reaches decode too."""
 

@@ -6,6 +6,11 @@ admitted only if it carries no pending rejection and its prompt fits this node's
 rejected request is retired with its *original* error (message and status), before any bootstrap, page
 allocation or KV transfer. If the node's limit is unknown the guard fails closed: an unknown limit is not
 a reason to admit.
+
+Prefill's HTTP front (its tokenizer) refuses earlier still a prompt its scheduler is certain to refuse as too long
+for the pool, so the refusal does not wait for a scheduler loop that takes seconds on a busy node. The front knows
+less (no pending rejection, the limit only once the scheduler reported it), so it refuses only what it is sure
+of and leaves every other decision to the doors.
 """
 
 from __future__ import annotations
@@ -38,6 +43,31 @@ class AdmissionView:
 
 def too_long_message(prompt_len: int, limit: int) -> str:
     return f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({limit} tokens)."
+
+
+SCHEDULER_ADVICE = " Use a shorter input or enable --allow-auto-truncate."
+
+
+@dataclass(frozen=True)
+class FrontView:
+    """What prefill's tokenizer knows of one request: its prompt length and the scheduler's ``max_req_input_len``
+    (None: not reported yet), and whether the server truncates long prompts instead of refusing them."""
+
+    rid: str
+    prompt_len: int | None
+    limit: int | None
+    truncates: bool
+
+
+def decide_at_front(view: FrontView) -> Decision:
+    """REJECT a prompt SGLang's prefill scheduler will refuse as too long (its own check: ``len >= limit``), with
+    the scheduler's own message; ALLOW anything else (the scheduler and the doors decide it)."""
+    context = {"rid": view.rid, "role": "prefill", "door": "front", "prompt_len": view.prompt_len,
+               "limit": view.limit}
+    if view.truncates or view.limit is None or view.prompt_len is None or view.prompt_len < view.limit:
+        return allow(GUARD, **context)
+    return Decision(GUARD, Verdict.REJECT, too_long_message(view.prompt_len, view.limit) + SCHEDULER_ADVICE, 400,
+                    context)
 
 
 def decide_admission(view: AdmissionView) -> Decision:

@@ -61,6 +61,8 @@ HOLDER_HEAD_START_S = 1.5
 STALL_ENV = "SGLANG_HARDEN_TESTBED_STALL_DECODE"
 STALL_TRIGGER = "stall-decode"
 STALL_S = 10.0
+PREFILL_STALL_ENV = "SGLANG_HARDEN_TESTBED_STALL_PREFILL"
+PREFILL_STALL_TRIGGER = "stall-prefill"
 # test-only latewrite shim on the hardened pair: the engine call for this room gives up after LATE_TIMEOUT_S (its
 # decode session is then marked failed) while its bytes land LATE_DELAY_S after the send started
 LATE_ROOM = 7_600_000_001
@@ -121,6 +123,7 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
     if truncate:
         return _start_truncating(pin, hardened, log_dir)
     shims = {STALL_ENV: f"{log_dir / STALL_TRIGGER}:{STALL_S}",
+             PREFILL_STALL_ENV: f"{log_dir / PREFILL_STALL_TRIGGER}:{STALL_S}",
              LATE_WRITE_ENV: f"{LATE_DELAY_S}:{LATE_ROOM}:timeout={LATE_TIMEOUT_S}",
              KVTRACE_ENV: str(log_dir / "kvtrace"),
              "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(LATE_LIFETIME_S)} if hardened else {}
@@ -269,6 +272,31 @@ def test_refusal_answered_while_decode_scheduler_is_stalled(pairs: PairFactory, 
         f"B answered in {b.decode.elapsed_s:.1f} s: decode waited for its stalled scheduler")
     state = _wait_pool_full(pair.decode, timeout=STALL_S + PROMPT_BOUND_S)
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
+
+
+def test_refusal_answered_while_prefill_scheduler_is_stalled(pairs: PairFactory, pin: str) -> None:
+    """Prefill's scheduler is stuck in one long loop (a saturated host; the soak saw a refusal wait 3 s for it).
+    Prefill's HTTP front refuses the oversized prompt itself, with the scheduler's own check and message, and
+    decode's front answers its half from prefill's abort board: both long before the scheduler wakes."""
+    pair = pairs("hardened")
+    trigger = pair.log_dir / PREFILL_STALL_TRIGGER
+    trigger.touch()
+    nudge: dict[str, PairResult] = {}  # wakes the idle scheduler, whose loop then stalls
+    waking = threading.Thread(target=lambda: nudge.update(r=pair.generate(
+        greedy_body(tenant_a_prompt(31, 20), 4, rid="prefill-stall-nudge"), timeout=STALL_S + 120)))
+    waking.start()
+    deadline = time.monotonic() + 30
+    while trigger.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not trigger.exists(), "prefill's scheduler never stalled"
+    b = pair.generate(greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="prefill-stalled-B"),
+                      timeout=SETUP.waiting_timeout_s + 60)
+    waking.join()
+    for half in (b.prefill, b.decode):
+        assert half.status == 400 and TOO_LONG in half.error_message(), (b.prefill.summary(), b.decode.summary())
+        assert half.elapsed_s < STALL_S / 4, (
+            f"B answered in {half.elapsed_s:.1f} s: it waited for prefill's stalled scheduler")
+    assert nudge["r"].ok, (nudge["r"].prefill.summary(), nudge["r"].decode.summary())
 
 
 def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFactory, pin: str) -> None:

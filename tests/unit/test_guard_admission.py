@@ -29,3 +29,21 @@ def test_unknown_limit_fails_closed():
     d = decide_admission(view(limit=None, role="decode"))
     assert d.verdict is Verdict.REJECT and d.status_code == 500
     assert "decode" in d.reason and "max_req_input_len" in d.reason
+
+
+def test_front_refuses_what_the_scheduler_will_refuse_with_its_message():
+    from sglang_harden.guards.admission import FrontView, decide_at_front
+
+    at_limit = decide_at_front(FrontView("r", prompt_len=634, limit=634, truncates=False))
+    assert at_limit.verdict is Verdict.REJECT and at_limit.status_code == 400
+    assert at_limit.reason == ("Input length (634 tokens) exceeds the maximum allowed length (634 tokens). "
+                               "Use a shorter input or enable --allow-auto-truncate.")
+    assert decide_at_front(FrontView("r", prompt_len=633, limit=634, truncates=False)).allows
+
+
+def test_front_leaves_what_it_cannot_be_sure_of_to_the_doors():
+    from sglang_harden.guards.admission import FrontView, decide_at_front
+
+    assert decide_at_front(FrontView("r", prompt_len=900, limit=634, truncates=True)).allows
+    assert decide_at_front(FrontView("r", prompt_len=900, limit=None, truncates=False)).allows
+    assert decide_at_front(FrontView("r", prompt_len=None, limit=634, truncates=False)).allows

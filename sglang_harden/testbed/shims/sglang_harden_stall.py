@@ -1,8 +1,11 @@
-"""Test hook (test-only): decode's scheduler loop stalls, as it does for seconds per loop on a saturated host.
+"""Test hook (test-only): a PD scheduler loop stalls, as it does for seconds per loop on a saturated host.
 
 ``SGLANG_HARDEN_TESTBED_STALL_DECODE=<trigger path>:<seconds>``: each time the trigger file appears, decode's
 ``process_decode_queue`` deletes it and sleeps ``seconds`` before going on. Meanwhile the scheduler takes in no
 request and answers none; decode's HTTP server (its tokenizer process) keeps running.
+``SGLANG_HARDEN_TESTBED_STALL_PREFILL=<trigger path>:<seconds>``: the same on prefill, in
+``process_disagg_prefill_inflight_queue`` (the end of each loop of prefill's scheduler; an idle scheduler sleeps
+until a request wakes it).
 """
 
 from __future__ import annotations
@@ -18,26 +21,38 @@ from sglang_harden_shimkit import append_trace_line, wrap_methods_once
 from sglang_harden._importhook import when_imported
 
 ENV = "SGLANG_HARDEN_TESTBED_STALL_DECODE"
+PREFILL_ENV = "SGLANG_HARDEN_TESTBED_STALL_PREFILL"
 
 
-def _wrap(original: Any) -> Any:
-    path, _, seconds = os.environ[ENV].rpartition(":")
+def _stalls(env: str, role: str) -> Any:
+    path, _, seconds = os.environ[env].rpartition(":")
     trigger, stall_s = Path(path), float(seconds)
 
-    def process_decode_queue(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if trigger.exists():
-            trigger.unlink(missing_ok=True)
-            append_trace_line("stall", {"event": "stall", "t": time.time(), "seconds": stall_s})
-            time.sleep(stall_s)
-        return original(self, *args, **kwargs)
+    def wrap(original: Any) -> Any:
+        def stalled_first(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if trigger.exists():
+                trigger.unlink(missing_ok=True)
+                append_trace_line("stall", {"event": "stall", "role": role, "t": time.time(), "seconds": stall_s})
+                time.sleep(stall_s)
+            return original(self, *args, **kwargs)
 
-    return process_decode_queue
+        return stalled_first
+
+    return wrap
 
 
-def _patch(module: ModuleType) -> None:
+def _patch_decode(module: ModuleType) -> None:
     wrap_methods_once(module.SchedulerDisaggregationDecodeMixin, "_sglang_harden_stall",
-                      {"process_decode_queue": _wrap})
+                      {"process_decode_queue": _stalls(ENV, "decode")})
+
+
+def _patch_prefill(module: ModuleType) -> None:
+    wrap_methods_once(module.SchedulerDisaggregationPrefillMixin, "_sglang_harden_stall",
+                      {"process_disagg_prefill_inflight_queue": _stalls(PREFILL_ENV, "prefill")})
 
 
 def install() -> None:
-    when_imported("sglang.srt.disaggregation.decode", _patch)
+    if os.environ.get(ENV):
+        when_imported("sglang.srt.disaggregation.decode", _patch_decode)
+    if os.environ.get(PREFILL_ENV):
+        when_imported("sglang.srt.disaggregation.prefill", _patch_prefill)

@@ -307,7 +307,7 @@ def _main() -> None:
         import sglang_harden_abortsend
 
         sglang_harden_abortsend.install()
-    if os.environ.get("SGLANG_HARDEN_TESTBED_STALL_DECODE"):
+    if os.environ.get("SGLANG_HARDEN_TESTBED_STALL_DECODE") or os.environ.get("SGLANG_HARDEN_TESTBED_STALL_PREFILL"):
         import sglang_harden_stall
 
         sglang_harden_stall.install()
