@@ -296,7 +296,7 @@ def test_refusal_answered_while_prefill_scheduler_is_stalled(pairs: PairFactory,
         assert half.status == 400 and TOO_LONG in half.error_message(), (b.prefill.summary(), b.decode.summary())
         assert half.elapsed_s < STALL_S / 4, (
             f"B answered in {half.elapsed_s:.1f} s: it waited for prefill's stalled scheduler")
-    assert nudge["r"].ok, (nudge["r"].prefill.summary(), nudge["r"].decode.summary())
+    assert nudge["r"].prefill.ok and nudge["r"].decode.ok, (nudge["r"].prefill.summary(), nudge["r"].decode.summary())
 
 
 def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFactory, pin: str) -> None:
