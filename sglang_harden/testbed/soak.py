@@ -643,7 +643,9 @@ class SoakReport:
             out.append(f"quarantine peaked at {self.summary['quarantine_max_pages']} pages"
                        f" ({self.summary['quarantine_max_share']:.2%} of a decode pool; bound {bound:.0%})")
         for role, q in self.quiesce.items():
-            if q["leaked_tokens"]:
+            if q["leaked_tokens"] is None:
+                out.append(f"{role}: pool not readable at quiesce (server down?): leaks and double frees unchecked")
+            elif q["leaked_tokens"]:
                 out.append(f"{role}: {q['leaked_tokens']} token(s) of KV not back at quiesce")
             if q["double_frees"]:
                 out.append(f"{role}: {q['double_frees']} page(s) freed twice")

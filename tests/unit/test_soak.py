@@ -102,6 +102,9 @@ def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
                                             ).violations()[0]
     doubled = {"leaked_tokens": 0, "double_frees": 1, "quarantined_pages": 0, "pool": {}}
     assert "freed twice" in _report(quiesce={"prefill": doubled, "decode": doubled}).violations()[0]
+    unread = {"leaked_tokens": None, "double_frees": 0, "quarantined_pages": 0, "pool": None}  # a node that died
+    assert "prefill1: pool not readable" in _report(quiesce={"prefill1": unread, "decode": doubled | {
+        "double_frees": 0}}).violations()[0]
     served = soak.summarize([_outcome("oversized", 200)], [], 1.0, LOAD, 1600, 16)
     assert _report(summary=served).violations() == ["1 request(s) oversized_served"]
     held = [{"decode0": {"lifecycle": {"quarantined_pages": 3}}}]
