@@ -396,18 +396,38 @@ class PrefillNode:
         return failed_at is not None and (self.lifetime_s <= 0 or time.monotonic() - failed_at < self.lifetime_s)
 
     def stuck_tokens(self) -> int:
-        """Tokens of source pages that a failed write pins for its whole lifetime and that have not come through
-        the free path yet: they sit in the prefix cache, where SGLang counts them as evictable, but evicting them
-        frees nothing. The allocator reports them as not available, so admission stops promising them."""
-        if not self.failed_writes:
+        """Tokens of source pages that a transfer still pins after SGLang let go of them, not yet through the free
+        path: they sit in the prefix cache, where SGLang counts them as evictable, but evicting them frees nothing.
+        The allocator reports them as not available, so admission stops promising them. Two kinds of room pin
+        them: one whose write failed (its bytes may land for the write lifetime), and one SGLang failed (an abort)
+        while the transfer worker still reads a chunk of it."""
+        rooms = self._rooms_pinning_released_pages()
+        if not rooms:
             return 0
         stuck = 0
-        for room in self.failed_writes:
-            if not self.write_may_land(room) or room not in self.holds:
-                continue
+        for room in rooms:
             held = int(np.count_nonzero(self.held_room[self._distinct_sources(room)] == room))
             stuck += max(0, held - len(self.pending.get(room, ())))
         return stuck * self.page_size
+
+    def _rooms_pinning_released_pages(self) -> set[int]:
+        rooms = {room for room in self.failed_writes if self.write_may_land(room)}
+        rooms.update(self._failed_rooms_still_read())
+        return {room for room in rooms if room in self.holds}
+
+    def _failed_rooms_still_read(self) -> list[int]:
+        """Rooms SGLang failed (and so released) while a chunk of theirs is still queued or in flight."""
+        mgr = self.kv_mgr
+        outstanding = getattr(mgr, "_staging_outstanding", None)
+        if not outstanding:
+            return []
+        failed = _kv_poll().failed
+        return [room for room, chunks in list(outstanding.items())
+                if chunks > 0 and mgr.request_status.get(room) == failed]
+
+    def pins_released_pages(self) -> bool:
+        """Cheap test before :meth:`stuck_tokens` (asked on every admission check)."""
+        return bool(self.failed_writes) or bool(getattr(self.kv_mgr, "_staging_outstanding", None))
 
     def _distinct_sources(self, room: int) -> np.ndarray:
         """The room's source pages, each once (cached: the admission budget asks on every scheduler step while a
@@ -906,15 +926,17 @@ def _capture_ack_target(original: Func) -> Func:
 
 
 def _available_less_stuck(original: Func) -> Func:
-    """Prefill admission budgets free + evictable tokens. Source pages a failed write pins are evictable to SGLang,
-    but evicting them frees nothing: without this the budget promises them, the allocation that follows fails,
-    and SGLang's prefill scheduler dies ("Prefill out of memory")."""
+    """Prefill admission budgets free + evictable tokens. Source pages a transfer still pins after SGLang let go of
+    them (:meth:`PrefillNode.stuck_tokens`) are evictable to SGLang, but evicting them frees nothing: without this
+    the budget promises them, the allocation that follows fails, and SGLang's prefill scheduler dies ("Prefill out
+    of memory"). The count may go below zero: when more is pinned than is free, the sum free + evictable must
+    still come out right (SGLang's evict-then-allocate steps and its usage metric take the sum)."""
 
     def available_size(self: Any, *args: Any, **kwargs: Any) -> Any:
         available = original(self, *args, **kwargs)
         node = NODE
-        if type(node) is PrefillNode and node.failed_writes and self is node.allocator:
-            return max(0, available - node.stuck_tokens())
+        if type(node) is PrefillNode and self is node.allocator and node.pins_released_pages():
+            return available - node.stuck_tokens()
         return available
 
     return available_size

@@ -28,6 +28,18 @@ def decision_lines(log_text: str) -> list[dict[str, Any]]:
     return out
 
 
+def quarantined_pages_by_room(log_text: str) -> dict[int, int]:
+    """Pages the lifecycle guard put in quarantine per room (its decisions owned ``room:<id>``), from one log."""
+    pages: dict[int, int] = {}
+    for decision in decision_lines(log_text):
+        owner = str(decision.get("owner") or "")
+        if decision.get("guard") == "lifecycle" and decision.get("decision") == "quarantine" and owner.startswith(
+                "room:"):
+            room = int(owner.removeprefix("room:"))
+            pages[room] = pages.get(room, 0) + int(decision.get("pages") or 0)
+    return pages
+
+
 def notify_latencies(prefill_logs: Iterable[str], decode_logs: Iterable[str]) -> dict[int, float]:
     """Per room: seconds from prefill's first refusal or abort of the room to decode's ``abort_notify`` abort of
     it (rooms decode never heard of are left out; the caller compares counts)."""

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_harden.events import LOG_TAG as DECISION_TAG
 from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
+from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
 from sglang_harden.testbed.profiles import get_profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
@@ -187,7 +187,7 @@ class LandingTrigger:
     def _run(self) -> None:
         while not self._stop.is_set() and self.fired_for is None:
             try:
-                a_pages = _send_targets(_late_writes(self.trace, live=True))
+                a_pages = _send_targets(late_writes(self.trace, live=True))
                 events = read_kvtrace(self.trace, live=True)
             except ValueError as exc:  # a broken trace line: the scenario's checks then name it
                 self.reason = f"trace unreadable: {exc}"
@@ -205,7 +205,7 @@ class LandingTrigger:
 
 
 def _landed(trace: Path) -> bool:
-    return any(w.get("event") == "late_write" for w in _late_writes(trace, live=True))
+    return any(w.get("event") == "late_write" for w in late_writes(trace, live=True))
 
 
 def _pool(pair: PDPair) -> dict[str, Any]:
@@ -315,7 +315,8 @@ def run_scenario(
     }
 
 
-def _late_writes(folder: Path, live: bool = False) -> list[dict[str, Any]]:
+def late_writes(folder: Path, live: bool = False) -> list[dict[str, Any]]:
+    """The latewrite shim's trace lines (live: a line still being written is left out)."""
     return jsonl.read_folder(folder, "latewrite-", live)
 
 
@@ -329,7 +330,7 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     trace = read_kvtrace(trace_dir)
     releases = {e["rid"]: e for e in trace if e.get("event") == "release"}
     first_decodes = {e["rid"]: e for e in trace if e.get("event") == "first_decode"}
-    writes = _late_writes(trace_dir)
+    writes = late_writes(trace_dir)
     a_pages = _send_targets(writes)
     landed_at = next((w["t"] for w in writes if w["event"] == "late_write"), None)
     victims: dict[str, dict[str, Any]] = {}
@@ -379,18 +380,7 @@ def _before(first_decode: dict[str, Any] | None, landed_at: float | None) -> boo
 
 def _quarantined_pages(decode_log: str, room: int | None) -> int:
     """Pages of A's room the lifecycle guard put in quarantine, from decode's structured decision lines."""
-    total = 0
-    for line in decode_log.splitlines():
-        _, tag, payload = line.partition(DECISION_TAG + " ")
-        if not tag:
-            continue
-        try:
-            decision = json.loads(payload)
-        except ValueError:
-            continue
-        if decision.get("decision") == "quarantine" and decision.get("owner") == f"room:{room}":
-            total += int(decision.get("pages") or 0)
-    return total
+    return quarantined_pages_by_room(decode_log).get(room, 0) if room is not None else 0
 
 
 def _misowned(res: GenResult) -> dict[str, Any]:

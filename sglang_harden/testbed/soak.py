@@ -48,7 +48,7 @@ from typing import Any
 
 from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import generate, http_json
-from sglang_harden.testbed.decisions import notify_latencies
+from sglang_harden.testbed.decisions import decision_lines, notify_latencies
 from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, read_kvtrace
 from sglang_harden.testbed.profiles import get_profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDFleet, PDPair
@@ -67,6 +67,10 @@ REFUSED_STATUSES = range(400, 600)
 @dataclass(frozen=True)
 class SoakLoad:
     duration_s: float = 60.0
+    # the clients go on sending past ``duration_s`` until this many requests were served in full, for at most
+    # ``max_duration_s`` in all (a slow or shared machine still gives the oracles enough served requests to judge)
+    min_served: int = 0
+    max_duration_s: float = 0.0
     concurrency: int = 8
     tenants: int = 4
     seed: int = 0
@@ -415,7 +419,7 @@ class LoadRun:
     def _client(self, worker: int) -> None:
         rng = random.Random(self.load.seed * 1000 + worker)
         index = 0
-        while time.monotonic() < self.stop_at:
+        while self._clients_go_on():
             kind, body = make_request(rng, self.load, self.topo, index, worker)
             index += 1
             hang_up = kind == "disconnect"
@@ -435,6 +439,16 @@ class LoadRun:
                 self.rooms.pop(body["rid"], None)
                 outcome.aborted_by_burst = body["rid"] in self.burst_aborted
                 self.outcomes.append(outcome)
+
+    def _clients_go_on(self) -> bool:
+        now = time.monotonic()
+        if now < self.stop_at:
+            return True
+        if now >= self.stop_at - self.load.duration_s + max(self.load.max_duration_s, self.load.duration_s):
+            return False
+        with self.lock:
+            served = sum(1 for o in self.outcomes if o.verdict == "ok")
+        return served < self.load.min_served
 
     def _late_writes(self) -> None:
         """One late-write request every ``duration / (late_writes + 1)`` seconds, each on its own listed room."""
@@ -708,6 +722,19 @@ def write_outcomes(path: Path, outcomes: list[Outcome]) -> None:
     with path.open("w") as out:
         for outcome in outcomes:
             out.write(json.dumps({**asdict(outcome), "verdict": outcome.verdict}) + "\n")
+
+
+def lifecycle_story(log_dir: Path, limit: int = 30) -> list[str]:
+    """The lifecycle guard's decisions of a run from every server log, in time order (the last ``limit``): what a
+    failed run's message shows, so the cause of a quarantine or of a page not back can be read off CI's output."""
+    told = []
+    for path in sorted(log_dir.glob("*.log")):
+        for d in decision_lines(path.read_text(errors="replace")):
+            if d.get("guard") == "lifecycle" and d.get("decision") != "allow":
+                who = d.get("owner") or f"room:{d.get('room')}"
+                told.append((float(d.get("ts") or 0.0), f"{d.get('ts')} {path.stem} {d.get('decision')} {who} "
+                                                        f"pages={d.get('pages')} {str(d.get('reason'))[:90]}"))
+    return [line for _, line in sorted(told)[-limit:]]
 
 
 def notify_summary(log_dir: Path) -> dict[str, Any]:

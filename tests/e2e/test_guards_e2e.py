@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from sglang_harden.testbed.client import PairResult, generate, greedy_body, pd_generate
-from sglang_harden.testbed.decisions import decision_lines, notify_latencies
+from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     KVTRACE_ENV,
@@ -35,7 +35,7 @@ from sglang_harden.testbed.incident import (
     tenant_a_prompt,
     tenant_b_prompt,
 )
-from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
+from sglang_harden.testbed.latewrite import LATE_WRITE_ENV, late_writes
 from sglang_harden.testbed.server import PDPair, Server
 from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY
 
@@ -321,7 +321,7 @@ def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFacto
     a.join()
     assert "session" in c.prefill.error_message() and not c.decode.ok, (
         "C was not failed behind A's failed write (scenario timing)", c.prefill.summary(), c.decode.summary())
-    quarantined = _quarantined_pages_by_room(pair.decode.log_text())
+    quarantined = quarantined_pages_by_room(pair.decode.log_text())
     if pin in FREES_A_FAILED_ROOM_AT_ONCE:
         assert quarantined.get(LATE_ROOM, 0) > 0, ("A's pages must go to quarantine", quarantined)
     assert c_room not in quarantined, ("C's pages were quarantined though nothing of C was written", quarantined)
@@ -333,22 +333,10 @@ def _wait_for_late_send(trace_dir: Path, room: int, timeout: float = 60.0) -> No
     """Until the latewrite shim logged the KV send of ``room`` (its engine call is then pending)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for path in trace_dir.glob("latewrite-*.jsonl"):
-            if f'"kv_send", "room": {room},' in path.read_text():
-                return
+        if any(w.get("event") == "kv_send" and w.get("room") == room for w in late_writes(trace_dir, live=True)):
+            return
         time.sleep(0.05)
     raise AssertionError(f"no KV send of room {room} within {timeout} s (latewrite shim not armed?)")
-
-
-def _quarantined_pages_by_room(log_text: str) -> dict[int, int]:
-    pages: dict[int, int] = {}
-    for decision in decision_lines(log_text):
-        owner = str(decision.get("owner") or "")
-        if decision.get("guard") == "lifecycle" and decision.get("decision") == "quarantine" and owner.startswith(
-                "room:"):
-            room = int(owner.removeprefix("room:"))
-            pages[room] = pages.get(room, 0) + int(decision.get("pages") or 0)
-    return pages
 
 
 def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> None:

@@ -24,15 +24,27 @@ from pathlib import Path
 
 import pytest
 
-from sglang_harden.testbed.soak import FORGED_ROUTES, SoakLoad, SoakReport, SoakTopology, compare, render, run_variant
+from sglang_harden.testbed.soak import (
+    FORGED_ROUTES,
+    SoakLoad,
+    SoakReport,
+    SoakTopology,
+    compare,
+    lifecycle_story,
+    render,
+    run_variant,
+)
 
 pytestmark = pytest.mark.e2e
 
+# requests served in full that the oracles need to judge a run; the clients go on past the duration until they
+# have them (CI's two cores are shared with the other test worker: a fleet run once served 5 in its 45 s)
+MIN_SERVED = 15
 LOAD = SoakLoad(duration_s=40.0, concurrency=6, tenants=3, seed=1, oversized_share=0.08, abort_burst_every_s=10.0,
-                forged_control_every_s=5.0)
+                forged_control_every_s=5.0, min_served=MIN_SERVED, max_duration_s=120.0)
 # four servers on two cores answer about a quarter as fast: more oversized prompts so some are drawn
 FLEET_LOAD = SoakLoad(duration_s=45.0, concurrency=4, tenants=3, seed=2, oversized_share=0.2, abort_burst_every_s=15.0,
-                      forged_control_every_s=5.0)
+                      forged_control_every_s=5.0, min_served=MIN_SERVED, max_duration_s=150.0)
 # smaller than the long soak's pool: it is reused within the 40 s run, so vanilla's oversized prompts read pages
 # other requests wrote (a fresh pool's pages were never written, and reading them is no foreign read)
 CI_DECODE_POOL_TOKENS = 2048
@@ -63,15 +75,22 @@ def reports(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Soa
 
 def test_hardened_holds_every_promise_under_load(pin: str, reports: dict[str, SoakReport]) -> None:
     hardened = reports["hardened"]
-    assert hardened.violations() == [], render([hardened], None)
+    assert hardened.violations() == [], _explain(hardened)
     by = hardened.summary["by_outcome"]
-    assert by.get("ok", 0) >= 15 and by.get("refused", 0) >= 1, render([hardened], None)
+    assert by.get("ok", 0) >= MIN_SERVED and by.get("refused", 0) >= 1, render([hardened], None)
     if pin == FLEET:  # the router spread requests over both decode nodes (one tracer file per decode scheduler)
         traced = list((Path(hardened.log_dir) / "kvtrace").glob("kvtrace-*.jsonl"))
         assert len(hardened.quiesce) == 4 and len(traced) == 2, (hardened.quiesce.keys(), traced)
     assert hardened.foreign_reads is not None and hardened.foreign_reads["traced_first_decodes"] >= by["ok"]
     forged = hardened.forged_control  # forged abort notices for rooms in flight, digests, reads: all refused
     assert forged["sent"] >= 5 * len(FORGED_ROUTES) and forged["refused_401"] == forged["sent"], forged
+
+
+def _explain(report: SoakReport) -> str:
+    """The table, each node's lifecycle numbers at quiesce and the lifecycle guard's last decisions."""
+    at_quiesce = [f"{node}: quarantined_pages={q.get('quarantined_pages')} pool={q.get('pool')}"
+                  for node, q in report.quiesce.items()]
+    return "\n".join([render([report], None), *at_quiesce, *lifecycle_story(Path(report.log_dir))])
 
 
 def test_vanilla_serves_foreign_kv_under_the_same_load(pin: str, reports: dict[str, SoakReport]) -> None:

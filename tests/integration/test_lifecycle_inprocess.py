@@ -749,6 +749,58 @@ def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modul
         lifecycle_v05.NODE = None
 
 
+@pytest.mark.parametrize("page_size", [1, 16], ids=["token", "paged16"])
+def test_prefill_budget_leaves_out_cached_pages_an_aborted_room_is_still_read_from(sglang_modules: dict[str, Any],
+                                                                                   page_size: int) -> None:
+    """Found by the 0.5.23/NIXL soak (a prefill died of "Prefill out of memory"): a request aborted while the
+    transfer worker still reads a chunk of it (0.5.23's per-room count of chunks in flight) lets go of its pages;
+    the ones shared as a cached prefix stay in SGLang's radix cache as evictable, but the guard keeps them back
+    from the free list until the read ends, so evicting them frees nothing. Here every other page is taken, so
+    more is pinned than is free: the budget (free + evictable) must come out at zero, not at the pinned pages.
+    Real allocator, real RadixCache, SGLang's own evict-then-allocate helper."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    pool, pinned = (POOL, 20) if page_size == 1 else (4 * page_size, 2 * page_size)
+    if page_size == 1:
+        alloc = sglang_modules["token"].TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, True)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu", None, True)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                      page_size=page_size))
+    node = PrefillNode.for_allocator(alloc)
+    lifecycle_v05.NODE = node
+    try:
+        src = alloc.alloc(pinned)
+        mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1},
+                              transfer_infos={ROOM_A: {"peer": object()}})
+        node.hold(mgr, ROOM_A, (src[::page_size] // page_size).numpy().astype(np.int64))
+        tree.insert(InsertParams(key=RadixKey(list(range(pinned))), value=src))  # the cached prefix
+        others = alloc.alloc(pool - pinned)  # a live request holds the rest of the pool
+        assert others is not None
+        assert alloc.available_size() + tree.evictable_size() == pinned, "a live read: nothing to leave out yet"
+        mgr.request_status[ROOM_A] = KVPoll.Failed  # aborted; its chunk is still being read
+
+        vanilla_count = type(alloc).available_size.__wrapped__(alloc)
+        assert vanilla_count + tree.evictable_size() == pinned, "what an unguarded budget promises"
+        budget = alloc.available_size() + tree.evictable_size()
+        assert budget == 0, "more pinned than free: the sum must still come out right"
+        evict_from_tree_cache(tree, pinned)
+        assert alloc.alloc(page_size) is None, "the unguarded promise cannot be kept: eviction freed nothing"
+
+        mgr._staging_outstanding[ROOM_A] = 0  # the worker's read ended
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        alloc.free(others)
+        assert node.stuck_tokens() == 0 and not node.pending
+        assert alloc.available_size() == pool
+    finally:
+        lifecycle_v05.NODE = None
+
+
 class _Board:
     """Stands in for the prefill publisher: what it was asked to post."""
 

@@ -15,6 +15,7 @@ from sglang_harden.tools import soak as soak_tool
 
 LOAD = soak.SoakLoad(duration_s=10.0)
 TOPO = soak.SoakTopology(pin="0.5.19")
+TARGET = soak.Target({"prefill": "http://127.0.0.1:9", "decode": "http://127.0.0.1:9"}, 9)
 
 
 def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, wanted: int = 4) -> soak.Outcome:
@@ -222,6 +223,25 @@ def test_notify_latency_pairs_prefill_refusal_with_decode_abort_of_the_same_room
     assert notify_latencies([prefill], [decode]) == {7: 0.25}
 
 
+def test_quarantined_pages_are_summed_per_room_from_lifecycle_decisions() -> None:
+    import json
+
+    from sglang_harden.testbed.decisions import quarantined_pages_by_room
+
+    def line(**fields: object) -> str:
+        return f"[2026-12-02 02:23:33] sglang_harden.decision {json.dumps(fields)}"
+
+    log = "\n".join([
+        line(guard="lifecycle", decision="quarantine", owner="room:7", pages=3),
+        line(guard="lifecycle", decision="quarantine", owner="room:7", pages=2),
+        line(guard="lifecycle", decision="release", owner="room:7", pages=5),  # not a quarantine
+        line(guard="lifecycle", decision="quarantine", owner="room:-4", pages=1),
+        line(guard="lifecycle", decision="quarantine", room=9, pages=2),  # prefill's: no owner
+        line(guard="admission", decision="quarantine", owner="room:8", pages=1),  # another guard
+    ])
+    assert quarantined_pages_by_room(log) == {7: 5, -4: 1}
+
+
 def test_forged_control_summary_and_violation() -> None:
     from collections import Counter
 
@@ -266,3 +286,23 @@ def test_late_write_lands_when_another_request_decodes_over_its_pages(tmp_path: 
     _lines(tmp_path / "latewrite-1.jsonl", {"event": "late_write", "room": 5, "t": 13.1})
     lander.step()
     assert not trigger.exists() and lander.fired == {5: "victim"}
+
+
+def test_clients_go_on_past_the_duration_until_enough_are_served_within_the_cap() -> None:
+    load = soak.SoakLoad(duration_s=10.0, min_served=2, max_duration_s=30.0)
+    run = soak.LoadRun(TARGET, load, TOPO, None)
+    now = soak.time.monotonic()
+    run.stop_at = now + 5.0  # inside the duration
+    assert run._clients_go_on()
+    run.stop_at = now - 1.0  # past the duration, under the cap, none served
+    assert run._clients_go_on()
+    run.outcomes += [_outcome("normal", 200), _outcome("normal", 503)]
+    assert run._clients_go_on()  # one served in full is not two
+    run.outcomes.append(_outcome("normal", 200))
+    assert not run._clients_go_on()
+    run.outcomes.clear()
+    run.stop_at = now - 21.0  # past the cap (started 31 s ago): stop even with none served
+    assert not run._clients_go_on()
+    plain = soak.LoadRun(TARGET, soak.SoakLoad(duration_s=10.0), TOPO, None)
+    plain.stop_at = now - 1.0  # no minimum: the duration alone
+    assert not plain._clients_go_on()

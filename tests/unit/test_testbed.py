@@ -509,9 +509,9 @@ def test_late_write_judge_reports_what_its_verdict_rests_on(tmp_path: Path, hand
     _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "release", "rid": "B0", "context_rows_changed": 0})
     _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B1", "pages": [102], "t": 60.0})
     decode_log = "\n".join([
-        '[t] sglang_harden.decision {"decision": "quarantine", "owner": "room:42", "pages": 2}',
-        '[t] sglang_harden.decision {"decision": "quarantine", "owner": "room:43", "pages": 9}',
-        '[t] sglang_harden.decision {"decision": "quarantine", "owner": "room:42", "pages": 1}',
+        '[t] sglang_harden.decision {"guard": "lifecycle", "decision": "quarantine", "owner": "room:42", "pages": 2}',
+        '[t] sglang_harden.decision {"guard": "lifecycle", "decision": "quarantine", "owner": "room:43", "pages": 9}',
+        '[t] sglang_harden.decision {"guard": "lifecycle", "decision": "quarantine", "owner": "room:42", "pages": 1}',
         "[t] some other line",
     ])
     result = judge(_late_write_run(decode_log, {"B0": b0_pages, "B1": [102]}), trace)
