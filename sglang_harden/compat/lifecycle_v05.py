@@ -492,8 +492,10 @@ class PrefillNode:
         for room in [r for r in self.pending if self.settled(r)]:
             freed.extend(self.pending.pop(room))
             self._settle(room)
-        for room in [r for r in self.orphan_targets if self.settled(r)]:
+        for room in [r for r in list(self.orphan_targets) if self.settled(r)]:  # the bootstrap thread adds
             _send_orphan_ack(self.kv_mgr, room, self.orphan_targets.pop(room))
+            events.record(Decision(lifecycle.GUARD, Verdict.RELEASE, "drain ack SGLang dropped, sent once the room "
+                                   "settled", None, {"room": room}), Mode.ENFORCE)
         for room in [r for r in self.stashed_acks if self.settled(r)]:
             for send in self.stashed_acks.pop(room):
                 send()
@@ -525,6 +527,7 @@ class PrefillNode:
 @dataclass(frozen=True)
 class _Poll:
     failed: Any
+    success: Any
     ended: tuple[Any, ...]
 
 
@@ -536,7 +539,7 @@ def _kv_poll() -> _Poll:
     if not _POLL:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        _POLL.append(_Poll(KVPoll.Failed, (KVPoll.Success, KVPoll.Failed)))
+        _POLL.append(_Poll(KVPoll.Failed, KVPoll.Success, (KVPoll.Success, KVPoll.Failed)))
     return _POLL[0]
 
 
@@ -1067,6 +1070,75 @@ def _rooms_in_flight(mgr: Any, session: str) -> list[int]:
             if session in infos and outstanding.get(room, 0) > 0]
 
 
+# Pins (per backend) whose prefill answers a decode abort notice for a room that already concluded (Success, or
+# cleared) with a drain ack only when no chunk of the room is counted in flight, and otherwise with nothing: no ack
+# then, and no target kept for the worker to ack later, so decode's quarantine of the room never ends. Later pins
+# keep the target whenever a chunk is still counted.
+DROPS_ACK_OF_CONCLUDED_ROOM: dict[str, tuple[str, ...]] = {"mooncake": ("0.5.19", "0.5.20"),
+                                                            "nixl": ("0.5.19", "0.5.20", "0.5.21")}
+ABORT_TAG = b"ABORT"
+
+
+def _note_abort_notice(mgr: Any, backend: str, msg: Sequence[bytes]) -> None:
+    """Keep the drain-ack target of an abort notice SGLang is about to drop (see DROPS_ACK_OF_CONCLUDED_ROOM); the
+    ack goes out once the room settled (:meth:`PrefillNode.settle_pending`)."""
+    node = NODE
+    if not isinstance(node, PrefillNode) or RUNTIME.pin not in DROPS_ACK_OF_CONCLUDED_ROOM.get(backend, ()):
+        return
+    notice = _abort_notice(msg)
+    if notice is None or not getattr(mgr, "enable_deferred_decode_kv_release", False):
+        return
+    room, decode_ip, decode_port = notice
+    concluded = room not in mgr.request_status or mgr.check_status(room) == _kv_poll().success
+    if concluded and mgr._staging_outstanding.get(room, 0) > 0:
+        node.kv_mgr = node.kv_mgr or mgr
+        node.orphan_targets[room] = (decode_ip, decode_port)
+
+
+def _abort_notice(msg: Sequence[bytes]) -> tuple[int, str, int] | None:
+    """(room, decode ip, decode port) of a decode abort notice carrying its ack target; None for anything else."""
+    if len(msg) < 4 or msg[0] != ABORT_TAG:
+        return None
+    try:
+        return int(msg[1].decode("ascii")), msg[2].decode("ascii"), int(msg[3].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None  # SGLang logs and drops a malformed notice itself
+
+
+def _nixl_abort_notice(original: Func) -> Func:
+    def handle_abort_notification(self: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
+        _note_abort_notice(self, "nixl", msg)
+        return original(self, msg, *args, **kwargs)
+
+    return handle_abort_notification
+
+
+class _NoticeWatchingSocket:
+    """Mooncake's prefill bootstrap socket, as its listener thread reads it (on the pins listed in
+    DROPS_ACK_OF_CONCLUDED_ROOM the thread handles abort notices inline, with no method to hook)."""
+
+    def __init__(self, socket: Any, mgr: Any):
+        self._socket, self._mgr = socket, mgr
+
+    def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
+        msg = self._socket.recv_multipart(*args, **kwargs)
+        _note_abort_notice(self._mgr, "mooncake", msg)
+        return msg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._socket, name)
+
+
+def _mooncake_abort_notices(original: Func) -> Func:
+    def start_prefill_thread(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if RUNTIME.pin in DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"] and not isinstance(self.server_socket,
+                                                                                     _NoticeWatchingSocket):
+            self.server_socket = _NoticeWatchingSocket(self.server_socket, self)
+        return original(self, *args, **kwargs)
+
+    return start_prefill_thread
+
+
 def _withhold_ack(original: Func) -> Func:
     """Prefill's drain ack for a room goes out only once the room settled (incl. a failed write's lifetime)."""
     signature = inspect.signature(original)
@@ -1118,6 +1190,8 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", NIXL, "NixlKVManager.send_kvcache", ("self", "peer_name", "prefill_kv_indices"),
          _nixl_send_kvcache),
     Hook("lifecycle", CONN, "CommonKVManager._send_abort_ack", ("self",), _withhold_ack),
+    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.start_prefill_thread", ("self",), _mooncake_abort_notices),
+    Hook("lifecycle", NIXL, "NixlKVManager._handle_abort_notification", ("self", "msg"), _nixl_abort_notice),
     Hook("lifecycle", CONN, "CommonKVSender.clear", ("self",), _keep_ack_target),
     Hook("lifecycle", CONN, "CommonKVManager.register_deferred_ack_target", ("self", "room"), _capture_ack_target),
     Hook("lifecycle", INVARIANTS, "SchedulerInvariantChecker._check_pool_invariant",

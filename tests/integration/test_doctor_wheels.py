@@ -146,3 +146,16 @@ def test_the_support_matrix_is_generated_not_written(pin: str) -> None:
     report = sweep.judge_release(pin, SourceTree(sglang_tree(pin)), SUPPORTED_PINS)
     matrix = (Path(__file__).resolve().parents[2] / "docs" / "support.md").read_text()
     assert sweep.markdown_row(report) in matrix.splitlines()
+
+
+@pytest.mark.parametrize("pin", sorted(p for p, adapter in SUPPORTED_PINS.items() if adapter == "sglang_v05"))
+def test_dropped_ack_gate_matches_each_release(pin: str) -> None:
+    """``DROPS_ACK_OF_CONCLUDED_ROOM`` lists, per backend, exactly the releases whose prefill answers a decode abort
+    notice for a concluded room with an ack only when nothing of it is counted in flight, and otherwise with
+    neither an ack nor a kept target (the branch that acks at once and has no else)."""
+    from sglang_harden.compat.lifecycle_v05 import BACKEND_MODULES, DROPS_ACK_OF_CONCLUDED_ROOM
+
+    tree = SourceTree(sglang_tree(pin))
+    for backend, module in BACKEND_MODULES.items():
+        drops = "elif self._staging_outstanding.get(room_to_be_aborted, 0) == 0:" in tree.text(module)
+        assert drops == (pin in DROPS_ACK_OF_CONCLUDED_ROOM[backend]), (pin, backend, drops)

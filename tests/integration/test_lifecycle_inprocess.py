@@ -470,7 +470,8 @@ def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
         pytest.skip(f"NIXL is not installed in this pin's venv ({exc}); ci/pins.toml lists it for 0.5.23")
     nixl_hooks = [h for h in lifecycle_v05.HOOKS if h.module == lifecycle_v05.NIXL]
     assert {h.qualname for h in nixl_hooks} == {"NixlKVReceiver.send_metadata", "NixlKVManager.add_transfer_request",
-                                                 "NixlKVManager.send_kvcache"}
+                                                 "NixlKVManager.send_kvcache",
+                                                 "NixlKVManager._handle_abort_notification"}
     assert all(is_in_place(h) for h in nixl_hooks)
 
 
@@ -488,6 +489,93 @@ def test_pin_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
     assert ("MooncakeKVManager.sync_status_to_decode_endpoint" in targets) == hasattr(
         MooncakeKVManager, "sync_status_to_decode_endpoint")
     assert all(is_in_place(h) for h in lifecycle_v05.pin_hooks())
+
+
+def _concluded_room_manager(status: Any, outstanding: int) -> tuple[Any, list[Any], list[Any]]:
+    """A prefill KV manager's state as SGLang's abort-notice handler reads it: room A concluded (``status``; None:
+    cleared) with ``outstanding`` chunks still counted; what it registers and acks is recorded."""
+    registered: list[Any] = []
+    acks: list[Any] = []
+    mgr = SimpleNamespace(request_status={} if status is None else {ROOM_A: status},
+                          _staging_outstanding={ROOM_A: outstanding}, enable_deferred_decode_kv_release=True,
+                          _deferred_ack_targets={}, failure_records={})
+    mgr.check_status = lambda room: mgr.request_status[room]
+    mgr.record_failure = lambda *a, **k: None
+    mgr.update_status = lambda room, status: None
+    mgr.register_deferred_ack_target = lambda room, *target: registered.append((room, target))
+    mgr._maybe_ack_drained_abort = lambda room: None
+    mgr._send_abort_ack = lambda ip, port, room: acks.append((room, ip, port))
+    return mgr, registered, acks
+
+
+ABORT_NOTICE = [b"ABORT", str(ROOM_A).encode(), b"127.0.0.1", b"9999"]
+
+
+@pytest.mark.parametrize("status", ["success", "cleared"])
+def test_abort_notice_for_a_concluded_room_in_flight_is_acked_once_it_settles(sglang_modules: dict[str, Any],
+                                                                              status: str) -> None:
+    """NIXL: decode's abort notice crosses prefill's Success (or the room's clear). SGLang's handler on these pins
+    registers no ack target and sends no ack while a chunk of the room is still counted, so decode's pages
+    would stay held for good; the guard keeps the target and acks once the room settled. The real handler runs
+    on a stand-in manager (its state is what the handler reads)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    if RUNTIME.pin not in lifecycle_v05.DROPS_ACK_OF_CONCLUDED_ROOM["nixl"]:
+        pytest.skip(f"{RUNTIME.pin}: SGLang keeps the target of a concluded room with a chunk in flight itself")
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    lifecycle_v05.NODE = node = PrefillNode.for_allocator(alloc)
+    concluded = KVPoll.Success if status == "success" else None
+    try:
+        vanilla = inspect.unwrap(NixlKVManager._handle_abort_notification)
+        mgr, registered, acks = _concluded_room_manager(concluded, outstanding=1)
+        assert vanilla(mgr, ABORT_NOTICE) is True
+        assert (registered, acks) == ([], []), "SGLang's own handler: no target kept, no ack"
+        assert not node.orphan_targets
+
+        hooked = lifecycle_v05._nixl_abort_notice(vanilla)
+        assert hooked(mgr, ABORT_NOTICE) is True
+        assert node.orphan_targets == {ROOM_A: ("127.0.0.1", 9999)}
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert acks == [], "no ack while the chunk is still counted"
+        mgr._staging_outstanding[ROOM_A] = 0  # the worker finished the chunk
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert acks == [(ROOM_A, "127.0.0.1", 9999)] and not node.orphan_targets
+
+        quiet, _, own_acks = _concluded_room_manager(concluded, outstanding=0)
+        hooked(quiet, ABORT_NOTICE)
+        assert own_acks == [(ROOM_A, "127.0.0.1", 9999)], "nothing in flight: SGLang acks at once itself"
+        assert not node.orphan_targets, "and the guard keeps nothing"
+    finally:
+        lifecycle_v05.NODE = None
+
+
+def test_mooncake_abort_notices_are_watched_on_the_listener_socket(sglang_modules: dict[str, Any]) -> None:
+    """Mooncake handles abort notices inline in its prefill listener thread on these pins; the guard reads them off
+    the listener's socket as the thread receives them (the thread itself runs in the e2e test). A stand-in
+    socket and manager here; every other message passes untouched."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if RUNTIME.pin not in lifecycle_v05.DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"]:
+        pytest.skip(f"{RUNTIME.pin}: SGLang keeps the target of a concluded room with a chunk in flight itself")
+    alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
+    lifecycle_v05.NODE = node = PrefillNode.for_allocator(alloc)
+    try:
+        mgr, _, acks = _concluded_room_manager(KVPoll.Success, outstanding=1)
+        inbox = [[b"None", b"127.0.0.1", b"1", b"session"], ABORT_NOTICE, [b"ABORT", b"not-a-room", b"x", b"y"]]
+        mgr.server_socket = SimpleNamespace(recv_multipart=lambda: inbox.pop(0), closed=False)
+        lifecycle_v05._mooncake_abort_notices(lambda self: None)(mgr)
+        assert isinstance(mgr.server_socket, lifecycle_v05._NoticeWatchingSocket) and not mgr.server_socket.closed
+        assert mgr.server_socket.recv_multipart()[0] == b"None" and not node.orphan_targets
+        assert mgr.server_socket.recv_multipart() == ABORT_NOTICE
+        assert node.orphan_targets == {ROOM_A: ("127.0.0.1", 9999)}
+        mgr.server_socket.recv_multipart()  # a malformed notice: SGLang's to log
+        assert list(node.orphan_targets) == [ROOM_A]
+        mgr._staging_outstanding[ROOM_A] = 0
+        lifecycle_v05._settle_after_inflight(lambda self: None)(None)
+        assert acks == [(ROOM_A, "127.0.0.1", 9999)]
+    finally:
+        lifecycle_v05.NODE = None
 
 
 def test_nixl_failed_post_is_a_failed_write(sglang_modules: dict[str, Any]) -> None:

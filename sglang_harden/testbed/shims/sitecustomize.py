@@ -307,7 +307,8 @@ def _main() -> None:
         import sglang_harden_abortsend
 
         sglang_harden_abortsend.install()
-    if os.environ.get("SGLANG_HARDEN_TESTBED_STALL_DECODE") or os.environ.get("SGLANG_HARDEN_TESTBED_STALL_PREFILL"):
+    if any(os.environ.get(f"SGLANG_HARDEN_TESTBED_{name}") for name in ("STALL_DECODE", "STALL_PREFILL",
+                                                                         "DELAY_SUCCESS_SYNC")):
         import sglang_harden_stall
 
         sglang_harden_stall.install()
