@@ -775,6 +775,22 @@ def test_prefill_free_lets_go_of_settled_sources_only(sglang_modules: dict[str, 
         lifecycle_v05.NODE = None
 
 
+def _pool_with_radix_cache(sglang_modules: dict[str, Any], page_size: int) -> tuple[int, int, Any, Any]:
+    """(pool tokens, tokens a test pins, SGLang's allocator for ``page_size``, a real RadixCache over it)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    pool, pinned = (POOL, 20) if page_size == 1 else (4 * page_size, 2 * page_size)
+    if page_size == 1:
+        alloc = sglang_modules["token"].TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, True)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu", None, True)
+    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
+                                      page_size=page_size))
+    return pool, pinned, alloc, tree
+
+
 @pytest.mark.parametrize("page_size", [1, 16], ids=["token", "paged16"])
 def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modules: dict[str, Any],
                                                                      page_size: int) -> None:
@@ -785,19 +801,11 @@ def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modul
     those tokens out of its count. Real allocator, real RadixCache, SGLang's own evict-then-allocate helper."""
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import evict_from_tree_cache
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    pool, pinned = (POOL, 20) if page_size == 1 else (4 * page_size, 2 * page_size)
-    if page_size == 1:
-        alloc = sglang_modules["token"].TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, True)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu", None, True)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                                      page_size=page_size))
+    pool, pinned, alloc, tree = _pool_with_radix_cache(sglang_modules, page_size)
     node = PrefillNode.for_allocator(alloc)
     node.lifetime_s = 0.5
     lifecycle_v05.NODE = node
@@ -847,19 +855,11 @@ def test_prefill_budget_leaves_out_cached_pages_an_aborted_room_is_still_read_fr
     more is pinned than is free: the budget (free + evictable) must come out at zero, not at the pinned pages.
     Real allocator, real RadixCache, SGLang's own evict-then-allocate helper."""
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import evict_from_tree_cache
-    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    pool, pinned = (POOL, 20) if page_size == 1 else (4 * page_size, 2 * page_size)
-    if page_size == 1:
-        alloc = sglang_modules["token"].TokenToKVPoolAllocator(pool, torch.float16, "cpu", None, True)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(pool, page_size, torch.float16, "cpu", None, True)
-    tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-                                      page_size=page_size))
+    pool, pinned, alloc, tree = _pool_with_radix_cache(sglang_modules, page_size)
     node = PrefillNode.for_allocator(alloc)
     lifecycle_v05.NODE = node
     try:
