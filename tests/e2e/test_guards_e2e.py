@@ -167,11 +167,14 @@ def _harden_state(server: Server) -> dict[str, Any]:
     return states[0].get("sglang_harden") or {}
 
 
-def _wait_pool_full(server: Server, timeout: float = PROMPT_BOUND_S) -> dict[str, Any]:
+def _wait_pool_full(server: Server, timeout: float = PROMPT_BOUND_S, wake: Server | None = None) -> dict[str, Any]:
     """The server's sglang_harden state once its pool is full, or the last state seen at ``timeout`` (callers
-    assert on it: free == max_total_num_tokens)."""
+    assert on it: free == max_total_num_tokens). ``wake``: a server asked for its info before each poll (an idle
+    scheduler runs a loop when something asks it)."""
     deadline = time.monotonic() + timeout
     while True:
+        if wake is not None:
+            wake.server_info()
         state = _harden_state(server)
         free = state.get("available_tokens", 0) + state.get("evictable_tokens", 0)
         if state and free == state.get("max_total_num_tokens"):
@@ -362,16 +365,9 @@ def test_abort_crossing_the_success_gets_its_drain_ack(pairs: PairFactory, pin: 
     status, _ = http_json("POST", pair.decode.url + "/abort_request", {"rid": rid}, 30.0)
     sender.join()
     assert status == 200 and not done["r"].decode.ok, (status, done["r"].decode.summary())
-    # an idle prefill scheduler runs a loop when something asks it (here: the poll; in service, the next request
-    # or health check): the guard's ack goes out in that loop
-    deadline = time.monotonic() + SUCCESS_SYNC_DELAY_S + 25
-    state = _harden_state(pair.decode)
-    while time.monotonic() < deadline:
-        pair.prefill.server_info()
-        state = _harden_state(pair.decode)
-        if state.get("available_tokens", 0) + state.get("evictable_tokens", 0) == state.get("max_total_num_tokens"):
-            break
-        time.sleep(0.5)
+    # the guard's ack goes out in a loop of prefill's scheduler; an idle one runs a loop when something asks it
+    # (here: the poll; in service, the next request or health check)
+    state = _wait_pool_full(pair.decode, timeout=SUCCESS_SYNC_DELAY_S + 25, wake=pair.prefill)
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], (
         "R's pages never came back to decode's pool: prefill never acked the drain", state)
 
