@@ -6,8 +6,9 @@
 # SGLANG_HARDEN_PINS (or pytest's --pins) chooses the pins; default: ci/pins.toml [ci].pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c 'import pytest, hypothesis, xdist' 2>/dev/null || python3 -m pip install -q 'pytest>=8' 'hypothesis>=6' \
-  'pytest-xdist>=3.5'
+# pytest-xdist 3.8+: --no-loadscope-reorder (the suite orders its e2e groups longest first, tests/conftest.py)
+python3 -c 'import pytest, hypothesis, xdist, sys; sys.exit(tuple(map(int, xdist.__version__.split(".")[:2])) < (3, 8))' \
+  2>/dev/null || python3 -m pip install -q 'pytest>=8' 'hypothesis>=6' 'pytest-xdist>=3.8'
 pins="${SGLANG_HARDEN_PINS:---ci}"
 pins="${pins//,/ }"
 [[ "$pins" == "all" ]] && pins="--all"
@@ -18,6 +19,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # each CI pin's venv python (CPU torch, testbed shims), then the whole suite with the system python (where
 # they skip, saying so).
 # The pins run side by side (each mostly one busy thread: SGLang's bootstrap server and the fuzzing client).
+phase() { echo "[run_tests] $(date -u +%H:%M:%S) $*"; }
+phase "in-process tests (each CI pin's venv)"
 inproc_logs="$(mktemp -d)"
 pids=()
 for pin in $(python3 -c 'from sglang_harden.testbed.envs import ci_pins; print(" ".join(ci_pins()))'); do
@@ -31,11 +34,15 @@ for pid in "${pids[@]}"; do wait "$pid" || inproc_failed=1; done
 for log in "$inproc_logs"/*.log; do echo "== in-process tests, pin $(basename "$log" .log)"; cat "$log"; done
 rm -rf "$inproc_logs"
 [ "$inproc_failed" = 0 ] || { echo "in-process tests failed" >&2; exit 1; }
+phase "torch tests"
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
   tests/unit/test_events_prometheus.py \
   tests/unit/test_canary.py tests/integration/test_digest_agreement.py
 # Two workers: the e2e tests spend most of their time waiting on servers (start-up, timeouts); each worker
 # runs whole (module, pin) groups, so a module's pairs for one pin start once (tests/conftest.py).
+# --no-loadscope-reorder: keep the order tests/conftest.py gives (longest e2e groups first; xdist's own order, most
+# tests first, started the long late-write and soak groups last).
 workers="${SGLANG_HARDEN_TEST_WORKERS:-2}"
-exec python3 -m pytest -ra --durations=60 -n "$workers" --dist loadgroup "$@"
+phase "whole suite, $workers workers"
+exec python3 -m pytest -ra --durations=60 -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"

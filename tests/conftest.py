@@ -75,13 +75,59 @@ def _item_pin(item: pytest.Item) -> str | None:
     return pin if isinstance(pin, str) else None
 
 
+# Worker-minutes one (module, pin) group of each e2e module took in CI (stop 27: two workers, two cores). Groups
+# are handed out longest first, so that no long group starts last while the other worker runs out of work;
+# xdist's own order (most tests first) started the late-write and soak groups last. Other tests come after the
+# e2e groups, in their own order (short ones fill the end).
+E2E_GROUP_MINUTES = {
+    "test_guards_e2e": 6.8,
+    "test_paged_profile_e2e": 6.0,
+    "test_tools_e2e": 5.4,
+    "test_guards_v049": 5.0,
+    "test_digest_e2e": 5.0,
+    "test_soak_e2e": 4.9,
+    "test_patched_incident": 4.7,
+    "test_digest_tp2_e2e": 4.4,
+    "test_lifecycle_e2e": 4.3,
+    "test_incident": 3.0,
+    "test_capacity_e2e": 2.2,
+    "test_fail_closed_e2e": 2.0,
+    "test_importhook_coexist_e2e": 1.5,
+    "test_activation_e2e": 1.5,
+}
+UNLISTED_E2E_GROUP_MINUTES = 3.0
+
+
+def _group_minutes(item: pytest.Item) -> float:
+    if item.get_closest_marker("e2e") is None:
+        return 0.0
+    return E2E_GROUP_MINUTES.get(item.module.__name__.rpartition(".")[2], UNLISTED_E2E_GROUP_MINUTES)
+
+
+def _longest_groups_first(items: list[pytest.Item], group_of: dict[int, str]) -> None:
+    """Stable sort: by the group's expected minutes (descending), then where the group first appeared; the items
+    of one group stay together in their order (module-scoped pairs start once)."""
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(group_of[id(item)], index)
+    minutes = {group_of[id(item)]: _group_minutes(item) for item in items}
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-minutes[group_of[id(item)]], first_seen[group_of[id(item)]], order[id(item)]))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the groups into node-id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One xdist group per (module, pin): a module's pairs for a pin are started by one worker only."""
+    """One xdist group per (module, pin): a module's pairs for a pin are started by one worker only. Groups are
+    ordered longest first (``E2E_GROUP_MINUTES``; run with ``--no-loadscope-reorder`` to keep that order)."""
+    group_of: dict[int, str] = {}
     for item in items:
         pin = _item_pin(item)
         if pin is not None:
-            item.add_marker(pytest.mark.xdist_group(name=f"{item.module.__name__}@{pin}"))
+            group_of[id(item)] = f"{item.module.__name__}@{pin}"
+            item.add_marker(pytest.mark.xdist_group(name=group_of[id(item)]))
+        else:
+            group_of[id(item)] = item.nodeid
+    _longest_groups_first(items, group_of)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,11 @@ the canary in ``log`` mode, so the digest alone has to catch each one (abort bef
 counted, no ``checksum:skip``), and answer exactly what vanilla answers. Pins: those whose family carries
 the checksum hooks (0.5.x; 0.4.9.post6 has none, see README), on Mooncake and on NIXL where the pin's recipe
 lists it.
+
+The faults are sized for 1-token pages: these are cases of the ``minimal`` testbed profile, run with
+``--profiles all``. CI proves the digest on the production-shaped ``paged16`` profile in
+``test_paged_profile_e2e.py`` (a flipped bit found, clean requests compared, on every CI pin and backend) and its
+enforcement on two decode ranks in ``test_digest_tp2_e2e.py``.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _has_digest(pin: str) -> bool:
     return any(hook.owner == "checksum" for hook in family.HOOKS)
 
 
-CASES = [f"{pin}/{backend}" for pin, recipe in load_pins().items() if _has_digest(pin)
+CASES = [f"{pin}/{backend}/minimal" for pin, recipe in load_pins().items() if _has_digest(pin)
          for backend in ("mooncake", "nixl") if backend in recipe.transfer_backends]
 
 
@@ -63,14 +68,14 @@ def _say(msg: str) -> None:
 
 @pytest.fixture(scope="module", params=CASES)
 def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
-    """``<pin>/<transfer backend>``; module-scoped, so one case's pairs serve all its tests."""
+    """``<pin>/<transfer backend>/minimal``; module-scoped, so one case's pairs serve all its tests."""
     require_pin(str(request.param))
     return str(request.param)
 
 
 @pytest.fixture(scope="module")
 def pairs(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PDPair]]:
-    version, backend = pin.split("/")
+    version, backend, _profile = pin.split("/")
     started: dict[str, PDPair] = {}
     try:
         for kind in ("vanilla", "hardened"):

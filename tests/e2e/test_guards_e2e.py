@@ -1,8 +1,9 @@
 """Guards I on real SGLang PD pairs (tiny model, Mooncake TCP, loopback): hardened vs vanilla, per pin.
 
 The incident setup of ``sglang_harden.testbed.incident`` (prefill limit 250 < B's 300 tokens <= decode's 394).
-The vanilla side of the same scenario is asserted in ``test_incident.py`` (<= 0.5.20: B gets 200 and reads
-A's KV; 0.5.21+: prefill 400, decode holds its reservation until the waiting timeout). Here:
+The vanilla side of the same scenario is asserted in ``test_paged_profile_e2e.py`` on 16-token pages (and on page 1
+in ``test_incident.py``, profile ``minimal``): <= 0.5.20: B gets 200 and reads A's KV; 0.5.21+: prefill 400, decode
+holds its reservation until the waiting timeout. Here:
 
 - hardened (``sglang_harden.launch_server``; capacity gate in ``log`` mode because the scenario's pools are
   deliberately too small): B gets HTTP 400 with the original "too long" message from prefill, from decode and

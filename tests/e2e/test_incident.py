@@ -1,4 +1,8 @@
-"""The PD incident on real SGLang pairs (tiny model, Mooncake TCP, loopback), per pin.
+"""The PD incident on real SGLang pairs (tiny model, Mooncake TCP, loopback), per pin, on the ``minimal`` testbed
+profile (page 1, radix cache off, no chunking). These are cases of profile ``minimal``: CI runs the same incident
+on the production-shaped ``paged16`` profile (``test_paged_profile_e2e.py``: vanilla leak or upstream refusal,
+hardened refusal at both doors, the front-door refusal, pools at quiesce; Mooncake and NIXL) and this module with
+``--profiles all`` (``SGLANG_HARDEN_TEST_PROFILES=all``).
 
 One scenario run per pin (module-scoped, servers stopped before the tests look at the result):
 warm-up round, then rounds with tenant A seeds (1, 2, 1, 2), each round A then the oversized greedy B.
@@ -27,6 +31,7 @@ from sglang_harden.testbed.incident import IncidentSetup, run_incident
 pytestmark = pytest.mark.e2e
 
 RECIPES = load_pins()
+PROFILE = "minimal"
 SETUP = IncidentSetup()
 LEAK_PINS = [p for p, r in RECIPES.items() if r.incident == "leak"]
 HOLD_PINS = [p for p, r in RECIPES.items() if r.incident == "reject_and_hold"]
@@ -42,7 +47,7 @@ def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``incident(pin)`` -> the scenario's summary for that pin (run once per pin per module)."""
 
     def get(pin: str) -> dict[str, Any]:
-        require_pin(pin)
+        require_pin(f"{pin}/mooncake/{PROFILE}")
         if pin not in _results:
             log_dir: Path = tmp_path_factory.mktemp(f"incident-{pin}")
             _results[pin] = run_incident(pin, hardened=False, setup=SETUP, log_dir=log_dir, progress=_progress)
@@ -116,7 +121,7 @@ NIXL_PINS = [p for p, r in RECIPES.items() if "nixl" in r.transfer_backends]
 @pytest.mark.parametrize("pin", NIXL_PINS)
 def test_nixl_backend_same_upstream_behaviour(require_pin: Any, tmp_path: Path, pin: str) -> None:
     """The same scenario over NIXL (UCX tcp on loopback): A is served over the real transfer, B as on Mooncake."""
-    require_pin(pin)
+    require_pin(f"{pin}/nixl/{PROFILE}")
     res = run_incident(pin, hardened=False, setup=SETUP, log_dir=tmp_path, transfer_backend="nixl", progress=_progress)
     warm = res["warmup"]
     assert (warm["a_prefill_status"], warm["a_decode_status"]) == (200, 200), warm
@@ -132,7 +137,7 @@ def test_nixl_backend_same_upstream_behaviour(require_pin: Any, tmp_path: Path, 
 def test_nixl_backend_hardened(require_pin: Any, tmp_path: Path, pin: str) -> None:
     """Hardened over NIXL: both schedulers start with the page ledger fed from NIXL's receiver/manager, A is
     served, B refused at both doors, the front-door refusal reaches decode promptly, both pools full after."""
-    require_pin(pin)
+    require_pin(f"{pin}/nixl/{PROFILE}")
     res = run_incident(pin, hardened=True, setup=SETUP, log_dir=tmp_path, transfer_backend="nixl",
                        harden_env={"SGLANG_HARDEN_CAPACITY": "log"}, progress=_progress)
     warm = res["warmup"]

@@ -19,6 +19,12 @@ Rounds: a warm-up, then tenant A seeds (1, 2, 1, 2), each round A then the overs
   quarantines none;
 - a transfer that leaves out one reserved page and reports success (test-only ``kvfault`` shim): vanilla serves
   it, the hardened canary (``enforce``, its default) aborts it;
+- one bit of one received KV row flipped on decode before the commit (``kvfault`` ``flip``): vanilla serves it;
+  the hardened per-transfer digest (``log`` mode on this pair, see above) finds exactly that request's KV
+  differs from what prefill sent, and no clean request's (the digest over 16-token pages, chunked sends and
+  radix hits sent early);
+- a prompt prefill's front door (tokenizer validation) refuses while decode holds a reservation for it: vanilla
+  decode hears nothing and waits out its timeout; hardened decode is told and answers 400 within the bound;
 - last (it leaves the pool inconsistent): SGLang's own page table points one prompt page of a request at a page in
   the allocator's free list (``kvfault`` ``table``): vanilla decodes over rows another request left there (the
   KV tracer), the hardened page-tag check aborts it at the commit.
@@ -40,6 +46,7 @@ from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     IncidentSetup,
     RoundResult,
+    front_door_round,
     read_kvtrace,
     run_round,
     start_incident_pair,
@@ -61,8 +68,11 @@ UNWRITTEN_LEN = 40
 # ... and, last of all (it leaves the pool inconsistent), SGLang's own page table is made to point one prompt page
 # of the request in room TABLE_ROOM at a page in the allocator's free list (``table`` fault, decode side).
 TABLE_ROOM = 991_000_001
-FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES},table:{TABLE_ROOM}"}
+# ... and one bit of one received KV row of the request in room FLIP_ROOM is flipped before decode commits it.
+FLIP_ROOM = 991_000_002
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES},table:{TABLE_ROOM},flip:{FLIP_ROOM}"}
 TOO_LONG = "exceeds the maximum allowed length"
+FRONT_DOOR_BOUND_S = 5.0  # README: decode answers a refusal at prefill's front door within 5 s
 RECIPES = load_pins()
 CASES = [f"{pin}/{backend}" for pin in ("0.5.19", "0.5.23") if pin in RECIPES
          for backend in ("mooncake", "nixl") if backend in RECIPES[pin].transfer_backends]
@@ -96,9 +106,14 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
                                                      rid=f"A{index}-again")))
             if not hardened and not rounds[-1].b.decode.ok:
                 break
+        before_flip = pair.decode.harden_decisions() if hardened else {}
+        flip = pair.generate(greedy_body(tenant_a_prompt(31, 120), 8, rid="flipped-bit"), room=FLIP_ROOM,
+                             timeout=SETUP.waiting_timeout_s + 120)
+        after_flip = pair.decode.harden_decisions() if hardened else {}
         unwritten = pair.generate(greedy_body(tenant_a_prompt(9, UNWRITTEN_LEN), 8, rid="unwritten-page"),
                                   timeout=SETUP.waiting_timeout_s + 120)
         decisions = pair.decode.harden_decisions() if hardened else {}
+        door = front_door_round(pair, SETUP, tag=f"{'hardened' if hardened else 'vanilla'}-")
         quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
         table = pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
                               timeout=SETUP.waiting_timeout_s + 120)
@@ -109,6 +124,8 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
     faults = [json.loads(line) for path in sorted((log_dir / "kvtrace").glob("kvfault-*.jsonl"))
               for line in path.read_text().splitlines() if line.strip()]
     return {"args": args, "rounds": rounds, "repeats": repeats, "unwritten": unwritten, "decisions": decisions,
+            "flip": flip, "before_flip": before_flip, "flip_decisions": decision_delta(before_flip, after_flip),
+            "front_door": door,
             "quiesce": quiesce, "prefill_log": pair.prefill.log_text(), "table": table,
             "table_decisions": decision_delta(decisions, table_decisions),
             "table_fault": [f for f in faults if f.get("event") == "table_fault"],
@@ -232,3 +249,29 @@ def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags
     assert "page ownership check failed" in h.error_message(), h.summary()
     assert hardened["table_decisions"].get("page_tags:abort") == 1, hardened["table_decisions"]
     assert hardened["table_first_decode"] is None, hardened["table_first_decode"]
+
+
+def test_flipped_bit_served_by_vanilla_found_by_the_digest(runs: dict[str, dict[str, Any]]) -> None:
+    """One bit of one received KV row flipped before the commit: vanilla decodes over it; the hardened digest
+    (``log`` mode here) tells that request's KV from what prefill sent, and found no clean request's different."""
+    vanilla, hardened = runs["vanilla"]["flip"].decode, runs["hardened"]["flip"].decode
+    assert vanilla.status == 200 and vanilla.output_ids, vanilla.summary()
+    assert hardened.status == 200, hardened.summary()  # log mode: counted, not applied
+    flip = runs["hardened"]["flip_decisions"]
+    assert flip.get("checksum:abort_logged") == 1, flip
+    before = runs["hardened"]["before_flip"]
+    assert before.get("checksum:abort_logged", 0) == 0, before
+    assert before.get("checksum:allow", 0) >= len(SETUP.a_seeds), before
+
+
+def test_front_door_refusal_held_by_vanilla_told_to_hardened(runs: dict[str, dict[str, Any]]) -> None:
+    """Prefill's tokenizer refuses a prompt longer than the context while decode holds a reservation for the
+    same room: vanilla decode hears nothing and waits out its timeout; hardened decode answers prefill's 400
+    within the bound and never generates."""
+    vanilla, hardened = runs["vanilla"]["front_door"], runs["hardened"]["front_door"]
+    for door in (vanilla, hardened):
+        assert door["prefill"]["status"] == 400 and "context length" in (door["prefill_error"] or ""), door
+    assert vanilla["decode_status"] != 200 and not vanilla["decode_generated"], vanilla
+    assert vanilla["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, vanilla
+    assert hardened["decode_status"] == 400 and "context length" in (hardened["decode_error"] or ""), hardened
+    assert hardened["decode_elapsed_s"] < FRONT_DOOR_BOUND_S and not hardened["decode_generated"], hardened
