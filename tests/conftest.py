@@ -123,7 +123,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         pin = _item_pin(item)
         if pin is not None:
-            group_of[id(item)] = f"{item.module.__name__}@{pin}"
+            # no '@' in the name: xdist takes what follows the node id's last '@' as the group, so a name
+            # "module@pin" grouped every module's tests of one pin together (one worker ran all of a pin's e2e)
+            group_of[id(item)] = f"{item.module.__name__}:{pin}"
             item.add_marker(pytest.mark.xdist_group(name=group_of[id(item)]))
         else:
             group_of[id(item)] = item.nodeid
