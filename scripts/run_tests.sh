@@ -18,27 +18,29 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The KV digest/canary tests need torch, the in-process lifecycle tests need SGLang itself: run them with
 # each CI pin's venv python (CPU torch, testbed shims), then the whole suite with the system python (where
 # they skip, saying so).
-# The pins run side by side (each mostly one busy thread: SGLang's bootstrap server and the fuzzing client).
+# The pins and the torch tests run side by side (each pin mostly one busy thread: SGLang's bootstrap server and
+# the fuzzing client).
 phase() { echo "[run_tests] $(date -u +%H:%M:%S) $*"; }
-phase "in-process tests (each CI pin's venv)"
-inproc_logs="$(mktemp -d)"
+phase "in-process tests (each CI pin's venv) and torch tests, side by side"
+logs="$(mktemp -d)"
 pids=()
 for pin in $(python3 -c 'from sglang_harden.testbed.envs import ci_pins; print(" ".join(ci_pins()))'); do
   python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
     tests/integration/test_lifecycle_inprocess.py tests/integration/test_digest_inprocess.py \
-    tests/integration/test_control_auth_inprocess.py > "$inproc_logs/$pin.log" 2>&1 &
+    tests/integration/test_control_auth_inprocess.py > "$logs/in-process tests, pin $pin.log" 2>&1 &
   pids+=("$!")
 done
-inproc_failed=0
-for pid in "${pids[@]}"; do wait "$pid" || inproc_failed=1; done
-for log in "$inproc_logs"/*.log; do echo "== in-process tests, pin $(basename "$log" .log)"; cat "$log"; done
-rm -rf "$inproc_logs"
-[ "$inproc_failed" = 0 ] || { echo "in-process tests failed" >&2; exit 1; }
-phase "torch tests"
+# the torch tests wait mostly on their own subprocesses and gloo timeouts (about a quarter of a core)
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
   tests/unit/test_events_prometheus.py \
-  tests/unit/test_canary.py tests/integration/test_digest_agreement.py
+  tests/unit/test_canary.py tests/integration/test_digest_agreement.py > "$logs/torch tests.log" 2>&1 &
+pids+=("$!")
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+for log in "$logs"/*.log; do echo "== $(basename "$log" .log)"; cat "$log"; done
+rm -rf "$logs"
+[ "$failed" = 0 ] || { echo "in-process or torch tests failed" >&2; exit 1; }
 # Two workers: the e2e tests spend most of their time waiting on servers (start-up, timeouts); each worker
 # runs whole (module, pin) groups, so a module's pairs for one pin start once (tests/conftest.py).
 # --no-loadscope-reorder: keep the order tests/conftest.py gives (longest e2e groups first; xdist's own order, most

@@ -209,8 +209,9 @@ async def _answer_and_hang_up(request: Any, response: Any) -> Any:
 # connection and its buffer open for ever).
 BODY_READ_TIMEOUT_S = 10.0
 
-# What SGLang's bootstrap handlers raise on a body of the wrong shape (missing keys, wrong types, bad JSON).
-MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError)
+# What SGLang's bootstrap handlers raise on a body of the wrong shape (missing keys, wrong types, bad JSON, numbers
+# out of range: JSON's Infinity as a port is an OverflowError in int()).
+MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, ArithmeticError)
 
 
 # ---------------------------------------------------------------- client side (SGLang's bootstrap client)

@@ -54,6 +54,8 @@ FEED_RETRY_S = 0.05
 FEED_IDLE_EXIT_S = 30.0  # a reader with no room to watch for this long stops (a new room restarts it)
 PENDING_TTL_S = 900.0  # a watched room nobody committed (aborted, lost) is forgotten after this
 PUBLISH_QUEUE_CAP = 4096
+POST_RETRY_S = 8.0  # a queued post that did not reach the board is tried again for this long (decode waits 5 s)
+POST_RETRY_PAUSE_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ class DigestPublisher:
     """Posts shard digests to the local bootstrap server over a kept-alive connection (:data:`CONNECTIONS`).
 
     :meth:`publish` only queues the post: a background thread sends the posts in order, so the scheduler's
-    send does not wait for an HTTP round trip. Decode waits (bounded) for a digest that is not there yet, so
+    send does not wait for an HTTP round trip; a post the board did not take (unreachable, 5xx) is tried again
+    for :data:`POST_RETRY_S`. Decode waits (bounded) for a digest that is not there yet, so
     a post that lands after the KV is still in time; one that never lands makes decode refuse the request.
     The queue is bounded: past :data:`PUBLISH_QUEUE_CAP` posts waiting, a post is dropped and logged.
     :meth:`publish_now` posts on the caller's thread and returns whether the board took it."""
@@ -223,14 +226,14 @@ class DigestPublisher:
         self._addr = urllib.parse.urlsplit(base_url).netloc
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
-        self._queue: queue.Queue[PublishedShard] = queue.Queue(PUBLISH_QUEUE_CAP)
+        self._queue: queue.Queue[tuple[PublishedShard, float]] = queue.Queue(PUBLISH_QUEUE_CAP)
         self._sender: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
     def publish(self, shard: PublishedShard) -> None:
         self._ensure_sender()
         try:
-            self._queue.put_nowait(shard)
+            self._queue.put_nowait((shard, time.monotonic()))
         except queue.Full:
             logger.error("sglang-harden: %d digests are waiting to be posted to %s; dropped the digest of room %s"
                          " (decode will refuse that request)", PUBLISH_QUEUE_CAP, self._base_url, shard.room)
@@ -243,17 +246,34 @@ class DigestPublisher:
         return not self._queue.unfinished_tasks
 
     def publish_now(self, shard: PublishedShard) -> bool:
+        return self._post(shard, final=True) == 200
+
+    def _post(self, shard: PublishedShard, final: bool) -> int | None:
+        """One PUT: the board's HTTP status, or None when it was not reached. Logged as an error when ``final``
+        (no retry follows) and the board did not take it."""
         body = json.dumps({"room": shard.room, "rank": shard.rank, "values": list(shard.values)}).encode()
         try:
             status, _ = CONNECTIONS.request("PUT", self._addr, DIGEST_PATH, self._timeout_s, body)
         except (http.client.HTTPException, OSError) as exc:
-            logger.error("sglang-harden: publishing the digest of room %s to %s failed: %s",
-                         shard.room, self._base_url, exc)
-            return False
-        if status != 200:
+            if final:
+                logger.error("sglang-harden: publishing the digest of room %s to %s failed: %s",
+                             shard.room, self._base_url, exc)
+            return None
+        if status != 200 and final:
             logger.error("sglang-harden: the bootstrap server refused the digest of room %s: HTTP %s",
                          shard.room, status)
-        return status == 200
+        return status
+
+    def _post_until_taken(self, shard: PublishedShard, queued_at: float) -> None:
+        """Post, and post again after a transport failure or a 5xx (a busy or restarting board) until the board
+        takes it or :data:`POST_RETRY_S` have passed since the post was queued: decode is still waiting for it
+        (up to ``checksum_wait_ms`` after its transfer ended), and a lost post makes decode refuse the request."""
+        while True:
+            last_try = time.monotonic() + POST_RETRY_PAUSE_S >= queued_at + POST_RETRY_S
+            status = self._post(shard, final=last_try)
+            if (status is not None and status < 500) or last_try:
+                return
+            time.sleep(POST_RETRY_PAUSE_S)
 
     def _ensure_sender(self) -> None:
         if self._sender is not None:
@@ -266,9 +286,9 @@ class DigestPublisher:
 
     def _send_forever(self) -> None:
         while True:
-            shard = self._queue.get()
+            shard, queued_at = self._queue.get()
             try:
-                self.publish_now(shard)
+                self._post_until_taken(shard, queued_at)
             finally:
                 self._queue.task_done()
 

@@ -125,8 +125,10 @@ def start_incident_pair(
     progress: bool = False,
     harden_env: Mapping[str, str] | None = None,
     profile: Profile | None = None,
+    flags: Sequence[str] = (),
 ) -> PDPair:
-    """Start (and return, started) the asymmetric PD pair of the incident, with the KV tracer on decode."""
+    """Start (and return, started) the asymmetric PD pair of the incident, with the KV tracer on decode;
+    ``flags``: more server arguments for both servers."""
     env = {WAITING_TIMEOUT_ENV: str(setup.waiting_timeout_s), **(extra_env or {})}
     if hardened:
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", **(harden_env or {})})
@@ -142,6 +144,8 @@ def start_incident_pair(
         decode_env={KVTRACE_ENV: str(Path(log_dir) / "kvtrace")},
         launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER,
         router=router,
+        prefill_flags=list(flags),
+        decode_flags=list(flags),
         log_dir=log_dir,
         progress=progress,
     )

@@ -737,6 +737,30 @@ def lifecycle_story(log_dir: Path, limit: int = 30) -> list[str]:
     return [line for _, line in sorted(told)[-limit:]]
 
 
+# prefill's digest post did not reach its board (decode then refuses the room: nothing vouches for its KV)
+DIGEST_POST_ERROR = re.compile(r"sglang-harden: (publishing the digest|the bootstrap server refused the digest|"
+                               r"\d+ digests are waiting)")
+
+
+def failure_story(report: SoakReport, limit: int = 20) -> list[str]:
+    """Why requests failed: each failed request (status, error) and every guard decision that was not ``allow``
+    and is not the abort notices' routine traffic (a checksum abort, a coverage refusal, ...), with its reason,
+    from every server log: what a failed run's message shows, so the cause can be read off CI's output."""
+    told = [f"failed: {e.get('kind')} rid={e.get('rid')} status={e.get('status')} sent_at={e.get('sent_at')} "
+            f"error={str(e.get('error'))[:200]}" for e in report.summary.get("failed_examples", [])]
+    routine = {("abort_notify", "abort"), ("abort_notify", "release"), ("admission", "reject")}
+    lines, errors = [], []
+    for path in sorted(Path(report.log_dir).glob("*.log")):
+        text = path.read_text(errors="replace")
+        errors += [f"{path.stem}: {line[:240]}" for line in text.splitlines() if DIGEST_POST_ERROR.search(line)]
+        for d in decision_lines(text):
+            if d.get("decision") == "allow" or (d.get("guard"), d.get("decision")) in routine:
+                continue
+            lines.append((float(d.get("ts") or 0.0), f"{d.get('ts')} {path.stem} {d.get('guard')}:{d.get('decision')}"
+                                                     f" rid={d.get('rid')} {str(d.get('reason'))[:240]}"))
+    return told + [line for _, line in sorted(lines)[-limit:]] + errors[-limit:]
+
+
 def notify_summary(log_dir: Path) -> dict[str, Any]:
     """How fast decode heard of prefill's refusals and aborts in this run (from the servers' logs)."""
     prefill = [p.read_text(errors="replace") for p in sorted(log_dir.glob("prefill*.log"))]

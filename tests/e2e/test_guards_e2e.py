@@ -11,15 +11,20 @@ holds its reservation until the waiting timeout. Here:
   normal requests answer exactly as on vanilla.
 - coverage (``--allow-auto-truncate`` on prefill, so nothing is rejected and prefill silently sends KV for
   250 of B's 300 tokens): vanilla decode answers 200 over 50 rows it never received; hardened aborts B.
-- activation: the guards are armed in the scheduler subprocesses (their own start-up log line), through the
-  launcher on every pin and through SGLang's plugin entry point with a plain ``sglang.launch_server``.
+- activation: the guards are armed in the scheduler subprocesses (their own start-up log line, from a pid other
+  than the launcher's), through the launcher on every pin (SGLang's plugin entry point with a plain
+  ``sglang.launch_server``: ``test_importhook_coexist_e2e.py``).
+- operator tools (0.5.19): ``probe`` passes on the hardened pair (``--enable-metrics``), ``audit`` sees its guards,
+  prefill's ``/metrics`` counts the admission rejections.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,8 @@ from sglang_harden.testbed.jsonl import read_folder
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV, late_writes
 from sglang_harden.testbed.server import PDPair, Server
 from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY
+from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
+from sglang_harden.tools.audit import parse_guard_counters
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +87,7 @@ FREES_A_FAILED_ROOM_AT_ONCE = ("0.5.19",)
 SUCCESS_SYNC_ENV = "SGLANG_HARDEN_TESTBED_DELAY_SUCCESS_SYNC"
 SUCCESS_SYNC_TRIGGER = "delay-success-sync"
 SUCCESS_SYNC_DELAY_S = 5.0
+TOOLS_PIN = "0.5.19"  # where the operator tools' e2e cases run (probe here, on the hardened pair)
 RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
 
 
@@ -137,7 +145,8 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
              KVTRACE_ENV: str(log_dir / "kvtrace"),
              "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(LATE_LIFETIME_S)} if hardened else {}
     return start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, router=True,
-                               harden_env={**HARDEN_ENV, **shims}, progress=True)
+                               harden_env={**HARDEN_ENV, **shims}, progress=True,
+                               flags=["--enable-metrics"] if hardened else [])
 
 
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
@@ -405,13 +414,22 @@ def test_pools_back_to_full_after_rejections(pairs: PairFactory, pin: str) -> No
 
 
 def test_guards_armed_in_scheduler_processes_via_launcher(pairs: PairFactory, pin: str) -> None:
+    """SGLang spawns its scheduler (a fresh interpreter): each scheduler logs the guards' start-up line from its own
+    pid, not the launcher's, and its own report (``/server_info``) lists the guards."""
     pair = pairs("hardened")
     for server in (pair.prefill, pair.decode):
-        log = server.log_text()
-        line = f"sglang-harden active: pin={pin}"
-        assert line in log and f"role=scheduler/{server.role}" in log, server.log_tail()
+        armed = [(int(pid), via) for role, pid, via in _armed_lines(server.log_text(), pin) if role == server.role]
+        assert armed, server.log_tail()
+        assert all(pid != server.pid for pid, _via in armed), (server.pid, armed)
         state = _harden_state(server)
+        assert state.get("pin") == pin, state
         assert {"admission", "retire", "coverage", "abort_notify"} <= set(state.get("guards", [])), state
+
+
+def _armed_lines(log: str, pin: str) -> list[tuple[str, str, str]]:
+    """(role, pid, via) of each scheduler's start-up line for ``pin``."""
+    line = rf"sglang-harden active: pin={re.escape(pin)} family=\S+ role=scheduler/(\S+) pid=(\d+) via=(\S+)"
+    return re.findall(line, log)
 
 
 def _forged_control_requests(room: int) -> list[tuple[str, str, bytes]]:
@@ -532,6 +550,27 @@ def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) 
         runner.join(120)
     assert statuses and set(statuses) == {200}, statuses
     assert "re-read" in pair.prefill.log_text(), "prefill's bootstrap server picked up each change"
+
+
+def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
+    """The operator's end-to-end isolation probes against this hardened pair (the incident's asymmetric pools):
+    admission (400 at the prefill door), retire, coverage and abort notification make every probe pass; audit
+    sees the guards at work (the sizing findings stay); prefill's ``/metrics`` counts the admission rejections.
+    Last of the hardened pair's tests (the probe's own traffic comes after every count the others read)."""
+    if pin != TOOLS_PIN:
+        pytest.skip(f"the operator tools' e2e cases run on {TOOLS_PIN} (test_tools_e2e.py, test_patched_incident.py)")
+    pair = pairs("hardened")
+    code, data = run_tool("probe", *pair_args(pair), "--seed", "7", "--max-requests", "40", "--time-budget", "400")
+    probes = probe_results(data)
+    assert probes["oversize"]["verdict"] == "pass", probes["oversize"]
+    assert probes["cross_tenant"]["verdict"] == "pass", probes["cross_tenant"]
+    assert code == 0, data
+    code, audit = run_tool("audit", pair.prefill.url, pair.decode.url)
+    assert all(node["armed_guards"] or node["guards"] for node in audit["nodes"]), audit
+    assert "guards_missing" not in {f["code"] for f in audit["findings"]}
+    with urllib.request.urlopen(pair.prefill.url + "/metrics", timeout=10) as response:
+        counters = parse_guard_counters(response.read().decode())
+    assert counters.get("admission", {}).get("reject", 0) >= 1, counters
 
 
 def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:

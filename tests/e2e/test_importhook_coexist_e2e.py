@@ -11,8 +11,10 @@ wraps the loader, with no re-entrancy guard. Before the fix both servers died at
   scheduler logs the guards' start-up line from its own pid (not the launcher's), and in that same pid the
   finder's line for hooked modules it loaded; tenant A is served; the oversized B gets 400 with the original
   message from prefill and from decode, and decode never generates for it;
-- plugin entry point (a plain ``sglang.launch_server``), the finder ahead of ours: the scheduler arms via
-  the plugin.
+- plugin entry point (a plain ``sglang.launch_server`` with sglang-harden merely installed, SGLANG_HARDEN_ACTIVATE
+  empty so the start-up hook stays inert), the finder ahead of ours: the scheduler arms via the plugin, in its own
+  pid, and its own report (``/server_info``) lists the guards. (The launcher's path is checked the same way in
+  ``test_guards_e2e.py``.)
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ REFUSAL_BOUND_S = 30.0
 POSITION = {"prefill": "before", "decode": "after"}
 ACTIVE = re.compile(r"sglang-harden active: pin=(\S+) family=\S+ role=scheduler/(\S+) pid=(\d+) via=(\S+) guards=(\S*)")
 FINDER = re.compile(r"sglang-harden-testbed delegating-finder: loaded (\S+) pid=(\d+) position=(\S+) inner=(\S+)")
+
+
+PLUGIN_API_FROM = (0, 5, 11)
+
+
+def _version(pin: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", pin)[:3])
 
 
 def _say(msg: str) -> None:
@@ -94,6 +103,8 @@ def _finder_loads(server: Server) -> list[tuple[str, int, str, str]]:
 def test_plugin_entry_point_arms_beside_a_delegating_finder(pin: str, tmp_path: Path) -> None:
     """A plain ``sglang.launch_server`` with sglang-harden installed (SGLang's plugin API, both CI pins). First in
     the module, so it runs before this pin's pair starts (one server at a time on a 2-core host)."""
+    if _version(pin) < PLUGIN_API_FROM:
+        pytest.skip(f"SGLang {pin} has no plugin API (0.5.11+); the launcher path covers it (test_guards_e2e.py)")
     env = {"SGLANG_HARDEN_ACTIVATE": "", FINDER_ENV: "before"}
     server = Server(
         pin,
@@ -109,6 +120,8 @@ def test_plugin_entry_point_arms_beside_a_delegating_finder(pin: str, tmp_path: 
         assert armed, server.log_tail()
         assert all(a[0] == pin and a[3] == "plugin" and a[2] != server.pid for a in armed), armed
         assert any(pos == "before" for _m, _p, pos, _i in _finder_loads(server)), server.log_tail()
+        report = (server.server_info().get("internal_states") or [{}])[0].get("sglang_harden") or {}
+        assert report.get("pin") == pin and "admission" in report.get("guards", []), report
 
 
 def test_both_servers_start_with_guards_armed_in_their_schedulers(pair: PDPair, pin: str) -> None:

@@ -3,7 +3,7 @@ chunked prefill (64-token chunks, so tenant A's 200-token prompt takes four), an
 send of the cached prefix (``sglang_harden.testbed.profiles``). Per pin and transfer backend: 0.5.19/Mooncake,
 0.5.23/Mooncake, 0.5.23/NIXL.
 
-Rounds: a warm-up, then tenant A seeds (1, 2, 1, 2), each round A then the oversized B (the incident setup of
+Rounds: a warm-up, then tenant A seeds (1, 2), each round A then the oversized B (the incident setup of
 ``sglang_harden.testbed.incident``: prefill limit 250 < B's 300 tokens <= decode's 394), and A's prompt once more.
 
 - the profile is in force: page size 16 in both servers' arguments, chunk 64 and the radix cache on prefill,
@@ -58,7 +58,7 @@ from sglang_harden.testbed.soak import decision_delta
 pytestmark = pytest.mark.e2e
 
 PROFILE = get_profile("paged16")
-SETUP = IncidentSetup(waiting_timeout_s=20)
+SETUP = IncidentSetup(waiting_timeout_s=20, a_seeds=(1, 2))  # two contents of A (the incident module repeats them)
 HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log", "SGLANG_HARDEN_CHECKSUM": "log"}
 # The test-only kvfault shim: a KV send of exactly 3 pages leaves out its last page and still reports success.
 # Only the 40-token request below makes such a send here (A's chunks are 4 pages, its final pieces 1, a radix

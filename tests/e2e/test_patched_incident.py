@@ -10,6 +10,11 @@ Per pin, one vanilla pair and one patched pair (sequentially), rounds: tenant A 
 - patched: B gets HTTP 400 with prefill's original "exceeds the maximum allowed length" message from prefill
   AND from decode, decode answers within seconds (not its waiting timeout), no completion for B;
 - normal requests are unchanged: A's greedy output ids are identical on the vanilla and the patched pair.
+
+The vanilla pair also answers the operator tools (before it stops; one pair start fewer than a pair of their
+own): ``audit`` flags its asymmetric pools, ``probe`` fails naming the probes and the evidence (oversized prompt
+answered 200; B's output depends on A's traffic). The other tool cases: ``test_tools_e2e.py``,
+``test_guards_e2e.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from sglang_harden.testbed.incident import (
 )
 from sglang_harden.testbed.procenv import SHIMS_DIR
 from sglang_harden.testbed.server import PDPair
+from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 from sglang_harden.tools import patch as patch_tool
 
 pytestmark = pytest.mark.e2e
@@ -87,9 +93,31 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
             _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
                       f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
         logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
+        tools = _operator_tools(pair) if variant == "vanilla" else {}
     finally:
         pair.stop()
-    return {"rounds": rounds, "logs": logs}
+    return {"rounds": rounds, "logs": logs, "tools": tools}
+
+
+def _operator_tools(pair: PDPair) -> dict[str, Any]:
+    """Each tool's (exit code, JSON), or what it raised (only that tool's test then fails)."""
+    _progress("vanilla: audit and probe, as an operator runs them")
+    runs = {"audit": ("audit", pair.prefill.url, pair.decode.url, "--timeout", "20"),
+            "probe": ("probe", *pair_args(pair), "--seed", "7", "--max-requests", "40", "--time-budget", "400")}
+    out: dict[str, Any] = {}
+    for name, args in runs.items():
+        try:
+            out[name] = run_tool(*args)
+        except Exception as exc:  # noqa: BLE001 - re-raised by that tool's test
+            out[name] = exc
+    return out
+
+
+def _tool(incident: Any, pin: str, name: str) -> tuple[int, dict[str, Any]]:
+    found = incident(pin, "vanilla")["tools"][name]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +183,30 @@ def test_patched_coverage_refuses_a_short_transfer(incident: Any, pin: str) -> N
         assert not b.decode.output_ids
         assert rnd.a_rows_read_by_b == 0
         assert rnd.a.decode.ok
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_audit_flags_asymmetric_pools(incident: Any, pin: str) -> None:
+    code, data = _tool(incident, pin, "audit")
+    assert code == 1, data
+    codes = {f["code"] for f in data["findings"]}
+    assert {"pool_below_context", "prefill_limit_below_decode"} <= codes
+    prefill, decode = data["nodes"]
+    assert (prefill["role"], decode["role"]) == ("prefill", "decode")
+    assert prefill["max_req_input_len"] == 250 and decode["max_req_input_len"] == 394
+    assert prefill["context_length"] == 512 and prefill["pool_tokens"] == 256
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_probe_fails_on_vanilla_leaking_pair(incident: Any, pin: str) -> None:
+    code, data = _tool(incident, pin, "probe")
+    assert code == 1, data
+    probes = probe_results(data)
+    assert probes["determinism"]["verdict"] == "pass"
+    oversize = probes["oversize"]
+    assert oversize["verdict"] == "FAIL"
+    assert any(e.startswith("250 tokens") and "HTTP 200" in e for e in oversize["evidence"]), oversize
+    cross = probes["cross_tenant"]
+    assert cross["verdict"] == "FAIL", cross
+    assert any("different greedy outputs" in e or "4-gram" in e for e in cross["evidence"])
+    assert probes["echo_canary"]["verdict"] == "not applicable"  # a tiny random model repeats nothing

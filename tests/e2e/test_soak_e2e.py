@@ -30,6 +30,7 @@ from sglang_harden.testbed.soak import (
     SoakReport,
     SoakTopology,
     compare,
+    failure_story,
     lifecycle_story,
     render,
     run_variant,
@@ -87,10 +88,12 @@ def test_hardened_holds_every_promise_under_load(pin: str, reports: dict[str, So
 
 
 def _explain(report: SoakReport) -> str:
-    """The table, each node's lifecycle numbers at quiesce and the lifecycle guard's last decisions."""
+    """The table, each node's lifecycle numbers at quiesce, the failed requests with the guard decisions that were
+    not routine, and the lifecycle guard's last decisions."""
     at_quiesce = [f"{node}: quarantined_pages={q.get('quarantined_pages')} pool={q.get('pool')}"
                   for node, q in report.quiesce.items()]
-    return "\n".join([render([report], None), *at_quiesce, *lifecycle_story(Path(report.log_dir))])
+    return "\n".join([render([report], None), *at_quiesce, *failure_story(report),
+                      *lifecycle_story(Path(report.log_dir))])
 
 
 def test_vanilla_serves_foreign_kv_under_the_same_load(pin: str, reports: dict[str, SoakReport]) -> None:

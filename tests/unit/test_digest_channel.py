@@ -49,11 +49,12 @@ def test_valid_body_parses() -> None:
 
 class _Prefill:
     """A stand-in bootstrap server (http.server, HTTP/1.0: it closes the connection after every answer) serving
-    the digest routes from a board; ``refuse_puts`` answers every PUT with 503."""
+    the digest routes from a board; ``refuse_puts`` answers every PUT with 503, ``busy_puts`` the first ones."""
 
     def __init__(self, publishing: bool, route: bool = True, refuse_puts: bool = False,
-                 keep_alive: bool = False) -> None:
+                 keep_alive: bool = False, busy_puts: int = 0) -> None:
         self.board = DigestBoard()
+        self.busy_puts = busy_puts  # the first ones are answered 503 (a busy board)
         self.connections = 0
         self.drop_after_answer = False
         outer = self
@@ -67,7 +68,8 @@ class _Prefill:
 
             def do_PUT(self) -> None:  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                if refuse_puts or self.path != digest_channel.DIGEST_PATH:
+                if refuse_puts or self.path != digest_channel.DIGEST_PATH or outer.busy_puts > 0:
+                    outer.busy_puts -= 1
                     self.send_response(503)
                 else:
                     outer.board.post(parse_digest_body(body))
@@ -172,6 +174,27 @@ def test_publisher_reports_a_refused_or_unreachable_board() -> None:
     gone = digest_channel.DigestPublisher(f"http://{refusing.addr}", timeout_s=0.5)
     assert not gone.publish_now(PublishedShard(1, 0, (1,)))
     assert time.monotonic() - start < 2 * 0.5 + 2.0  # two tries, each bounded
+
+
+def test_a_queued_post_the_board_did_not_take_is_posted_again() -> None:
+    busy = _Prefill(publishing=True, busy_puts=2)
+    publisher = digest_channel.DigestPublisher(f"http://{busy.addr}", timeout_s=30.0)
+    publisher.publish(PublishedShard(5, 0, (5, -5)))
+    assert publisher.flush(timeout_s=10.0)
+    assert busy.board.lookup(5) == {0: (5, -5)} and busy.busy_puts == 0
+    busy.server.shutdown()
+
+
+def test_a_queued_post_is_retried_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digest_channel, "POST_RETRY_S", 0.5)
+    refusing = _Prefill(publishing=True, refuse_puts=True)
+    publisher = digest_channel.DigestPublisher(f"http://{refusing.addr}", timeout_s=30.0)
+    start = time.monotonic()
+    publisher.publish(PublishedShard(6, 0, (6,)))
+    assert publisher.flush(timeout_s=10.0)
+    assert time.monotonic() - start < 0.5 + 2.0 and refusing.board.lookup(6) == {}
+    assert refusing.busy_puts <= -2  # tried more than once
+    refusing.server.shutdown()
 
 
 def test_fetch_returns_at_once_when_prefill_does_not_publish() -> None:

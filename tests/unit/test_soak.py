@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -306,3 +307,22 @@ def test_clients_go_on_past_the_duration_until_enough_are_served_within_the_cap(
     plain = soak.LoadRun(TARGET, soak.SoakLoad(duration_s=10.0), TOPO, None)
     plain.stop_at = now - 1.0  # no minimum: the duration alone
     assert not plain._clients_go_on()
+
+
+def test_failure_story_names_failed_requests_and_non_routine_decisions(tmp_path: Path) -> None:
+    from sglang_harden.events import LOG_TAG
+
+    def line(**fields: object) -> str:
+        return f"[x] {LOG_TAG} " + json.dumps({"ts": 1.0, **fields})
+
+    (tmp_path / "decode0-0.5.23.log").write_text("\n".join([
+        line(guard="checksum", decision="abort", rid="r-1", reason="KV digest could not be verified (timed out)"),
+        line(guard="checksum", decision="allow", rid="r-2", reason=""),
+        line(guard="abort_notify", decision="abort", rid="r-3", reason="prefill aborted"),
+        "a line that is no decision",
+    ]))
+    failed = soak.summarize([soak.Outcome("normal", "r-1", 500, 1.0, error="KV digest could not be verified")],
+                            [], 1.0, LOAD, 1600, 16)
+    story = soak.failure_story(_report(summary=failed, log_dir=str(tmp_path)))
+    assert story[0].startswith("failed: normal rid=r-1 status=500") and "could not be verified" in story[0]
+    assert len(story) == 2 and "decode0-0.5.23 checksum:abort rid=r-1 KV digest could not be verified" in story[1]
