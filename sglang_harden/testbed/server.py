@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -32,6 +33,18 @@ VANILLA_LAUNCHER = "sglang.launch_server"
 HARDENED_LAUNCHER = "sglang_harden.launch_server"
 ACTIVATE_ENV = "SGLANG_HARDEN_ACTIVATE"
 SECRET_FILE_ENV = "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"
+# the start-up line each armed scheduler logs from its own process (sglang_harden.compat.runtime)
+ARMED_LINE = re.compile(r"sglang-harden active: pin=(\S+) family=\S+ role=scheduler/(\S+) pid=(\d+) via=(\S+) "
+                        r"guards=(\S*)")
+
+
+@dataclass(frozen=True)
+class ArmedScheduler:
+    pin: str
+    role: str
+    pid: int
+    via: str
+    guards: tuple[str, ...]
 
 
 class ServerError(RuntimeError):
@@ -316,10 +329,20 @@ class Server(_Process):
                 return body
         raise self._fail("no server info endpoint answered")
 
+    def harden_state(self) -> dict[str, Any]:
+        """The first scheduler's own sglang-harden report on ``/server_info`` (pin, guards, decisions, ...;
+        empty on vanilla)."""
+        states = self.server_info().get("internal_states") or [{}]
+        return dict((states[0] or {}).get("sglang_harden") or {})
+
     def harden_decisions(self) -> dict[str, int]:
         """The first scheduler's sglang-harden decision counts, ``{"guard:decision": n}`` (empty on vanilla)."""
-        states = self.server_info().get("internal_states") or [{}]
-        return dict(((states[0] or {}).get("sglang_harden") or {}).get("decisions", {}))
+        return dict(self.harden_state().get("decisions", {}))
+
+    def armed_schedulers(self) -> list[ArmedScheduler]:
+        """Every scheduler start-up line of sglang-harden in this server's log (one per scheduler process)."""
+        return [ArmedScheduler(m[0], m[1], int(m[2]), m[3], tuple(filter(None, m[4].split(","))))
+                for m in ARMED_LINE.findall(self.log_text())]
 
     def pool(self) -> dict[str, Any]:
         """KV allocator occupancy of the first scheduler (testbed pool reporter): total, available, evictable,

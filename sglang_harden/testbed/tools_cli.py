@@ -7,10 +7,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from sglang_harden.testbed.envs import REPO_ROOT
 
 
 def run_tool(*args: str, timeout: float = 600) -> tuple[int, dict[str, Any]]:
@@ -20,8 +19,8 @@ def run_tool(*args: str, timeout: float = 600) -> tuple[int, dict[str, Any]]:
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
     if "Traceback" in proc.stderr:
         raise AssertionError(proc.stderr[-3000:])

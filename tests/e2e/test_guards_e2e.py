@@ -20,7 +20,6 @@ holds its reservation until the waiting timeout. Here:
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
@@ -172,11 +171,6 @@ def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
     return pair.start()
 
 
-def _harden_state(server: Server) -> dict[str, Any]:
-    states = server.server_info().get("internal_states") or [{}]
-    return states[0].get("sglang_harden") or {}
-
-
 def _wait_pool_full(server: Server, timeout: float = PROMPT_BOUND_S, wake: Server | None = None) -> dict[str, Any]:
     """The server's sglang_harden state once its pool is full, or the last state seen at ``timeout`` (callers
     assert on it: free == max_total_num_tokens). ``wake``: a server asked for its info before each poll (an idle
@@ -185,7 +179,7 @@ def _wait_pool_full(server: Server, timeout: float = PROMPT_BOUND_S, wake: Serve
     while True:
         if wake is not None:
             wake.server_info()
-        state = _harden_state(server)
+        state = server.harden_state()
         free = state.get("available_tokens", 0) + state.get("evictable_tokens", 0)
         if state and free == state.get("max_total_num_tokens"):
             return state
@@ -418,18 +412,12 @@ def test_guards_armed_in_scheduler_processes_via_launcher(pairs: PairFactory, pi
     pid, not the launcher's, and its own report (``/server_info``) lists the guards."""
     pair = pairs("hardened")
     for server in (pair.prefill, pair.decode):
-        armed = [(int(pid), via) for role, pid, via in _armed_lines(server.log_text(), pin) if role == server.role]
+        armed = [a for a in server.armed_schedulers() if a.pin == pin and a.role == server.role]
         assert armed, server.log_tail()
-        assert all(pid != server.pid for pid, _via in armed), (server.pid, armed)
-        state = _harden_state(server)
+        assert all(a.pid != server.pid for a in armed), (server.pid, armed)
+        state = server.harden_state()
         assert state.get("pin") == pin, state
         assert {"admission", "retire", "coverage", "abort_notify"} <= set(state.get("guards", [])), state
-
-
-def _armed_lines(log: str, pin: str) -> list[tuple[str, str, str]]:
-    """(role, pid, via) of each scheduler's start-up line for ``pin``."""
-    line = rf"sglang-harden active: pin={re.escape(pin)} family=\S+ role=scheduler/(\S+) pid=(\d+) via=(\S+)"
-    return re.findall(line, log)
 
 
 def _forged_control_requests(room: int) -> list[tuple[str, str, bytes]]:
@@ -479,7 +467,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
 
     pair = pairs("hardened")
     for server in (pair.prefill, pair.decode):
-        state = _harden_state(server)
+        state = server.harden_state()
         assert state.get("control_plane_auth") == "enforce" and "bootstrap_auth" in state["guards"], state
     port = pair.prefill.bootstrap_port
     assert port is not None
@@ -632,7 +620,7 @@ def _assert_decode_refused(result: Any, message: str, pin: str) -> None:
 def _retire_count(server: Server) -> int:
     """Retirements prefill's scheduler decided: our retire guard (<= 0.5.19), or upstream's own retirement
     that the abort_notify hook published to decode (0.5.20+)."""
-    decisions = _harden_state(server).get("decisions", {})
+    decisions = server.harden_state().get("decisions", {})
     return sum(int(decisions.get(key, 0)) for key in ("retire:abort", "retire:reject", "abort_notify:abort"))
 
 

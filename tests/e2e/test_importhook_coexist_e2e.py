@@ -48,7 +48,6 @@ TOO_LONG = "exceeds the maximum allowed length"
 # Decode hears of prefill's refusal instead of sitting out its 60 s waiting timeout (loaded CI host: generous).
 REFUSAL_BOUND_S = 30.0
 POSITION = {"prefill": "before", "decode": "after"}
-ACTIVE = re.compile(r"sglang-harden active: pin=(\S+) family=\S+ role=scheduler/(\S+) pid=(\d+) via=(\S+) guards=(\S*)")
 FINDER = re.compile(r"sglang-harden-testbed delegating-finder: loaded (\S+) pid=(\d+) position=(\S+) inner=(\S+)")
 
 
@@ -92,10 +91,6 @@ def pair(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]
         yield pd
 
 
-def _armed(server: Server) -> list[tuple[str, str, int, str, str]]:
-    return [(m[0], m[1], int(m[2]), m[3], m[4]) for m in ACTIVE.findall(server.log_text())]
-
-
 def _finder_loads(server: Server) -> list[tuple[str, int, str, str]]:
     return [(m[0], int(m[1]), m[2], m[3]) for m in FINDER.findall(server.log_text())]
 
@@ -116,11 +111,11 @@ def test_plugin_entry_point_arms_beside_a_delegating_finder(pin: str, tmp_path: 
         startup_timeout=900.0,
     )
     with server:
-        armed = _armed(server)
+        armed = server.armed_schedulers()
         assert armed, server.log_tail()
-        assert all(a[0] == pin and a[3] == "plugin" and a[2] != server.pid for a in armed), armed
+        assert all(a.pin == pin and a.via == "plugin" and a.pid != server.pid for a in armed), armed
         assert any(pos == "before" for _m, _p, pos, _i in _finder_loads(server)), server.log_tail()
-        report = (server.server_info().get("internal_states") or [{}])[0].get("sglang_harden") or {}
+        report = server.harden_state()
         assert report.get("pin") == pin and "admission" in report.get("guards", []), report
 
 
@@ -128,11 +123,11 @@ def test_both_servers_start_with_guards_armed_in_their_schedulers(pair: PDPair, 
     for server in (pair.prefill, pair.decode):
         assert server.is_alive(), server.log_tail()
         assert "RecursionError" not in server.log_text(), server.log_tail()
-        armed = [a for a in _armed(server) if a[1] == server.role]
+        armed = [a for a in server.armed_schedulers() if a.role == server.role]
         assert armed, server.log_tail()
-        for got_pin, _role, pid, _via, guards in armed:
-            assert got_pin == pin and pid != server.pid, armed
-            assert {"admission", "retire", "coverage", "abort_notify"} <= set(guards.split(",")), armed
+        for a in armed:
+            assert a.pin == pin and a.pid != server.pid, armed
+            assert {"admission", "retire", "coverage", "abort_notify"} <= set(a.guards), armed
 
 
 def test_delegating_finder_loaded_hooked_modules_in_the_armed_schedulers(pair: PDPair) -> None:
@@ -141,7 +136,7 @@ def test_delegating_finder_loaded_hooked_modules_in_the_armed_schedulers(pair: P
         loads = _finder_loads(server)
         assert loads, server.log_tail()
         assert {pos for _m, _p, pos, _i in loads} == {POSITION[server.role]}, loads
-        scheduler_pids = {a[2] for a in _armed(server) if a[1] == server.role}
+        scheduler_pids = {a.pid for a in server.armed_schedulers() if a.role == server.role}
         in_schedulers = {module for module, pid, _pos, _inner in loads if pid in scheduler_pids}
         assert "sglang.srt.managers.scheduler" in in_schedulers, (scheduler_pids, loads)
 

@@ -529,3 +529,20 @@ def test_late_write_setup_per_profile() -> None:
     assert (paged.decode_max_total_tokens, paged.backend, paged.profile) == (384, "nixl", "paged16")
     with pytest.raises(ValueError, match="no decode pool size measured for page size 64"):
         setup_for("paged64")
+
+
+def test_armed_schedulers_reads_the_runtime_start_up_lines(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The testbed parses what the runtime logs (one line per armed scheduler), not a copy of its format."""
+    from sglang_harden.compat.runtime import Runtime
+    from sglang_harden.testbed.server import ArmedScheduler, Server
+
+    runtime = Runtime()
+    runtime.pin, runtime.family, runtime.source = "0.5.23", "sglang-0.5.19+", "plugin"
+    runtime.armed = ("admission", "retire")
+    with caplog.at_level("WARNING", logger="sglang_harden"):
+        runtime.log_active("scheduler/decode")
+    server = Server.__new__(Server)  # only its log is read
+    server.log_path = tmp_path / "server.log"
+    server.log_path.write_text("starting\n" + caplog.text + "\nfired up and ready to roll\n")
+    assert server.armed_schedulers() == [
+        ArmedScheduler("0.5.23", "decode", os.getpid(), "plugin", ("admission", "retire"))]
