@@ -2,11 +2,13 @@
 from pathlib import Path
 
 PD_REJECTIONS = (Path(__file__).resolve().parent / "pd_rejections.py").read_text()
+PD_AUTH = (Path(__file__).resolve().parent / "pd_auth.py").read_text()
 PREFILL = "sglang/srt/disaggregation/prefill.py"
 DECODE = "sglang/srt/disaggregation/decode.py"
 UTILS = "sglang/srt/disaggregation/utils.py"
 CONN = "sglang/srt/disaggregation/common/conn.py"
 NEWMOD = "sglang/srt/disaggregation/common/pd_rejections.py"
+AUTHMOD = "sglang/srt/disaggregation/common/pd_auth.py"
 SCHED = "sglang/srt/managers/scheduler.py"
 
 H_ADMISSION = """\
@@ -72,7 +74,8 @@ Decode holds the reserved pages and waits SGLANG_DISAGGREGATION_WAITING_TIMEOUT 
 through a router the client never sees prefill's 400. The transfer backends' own failure messages
 were not used because the rejected room may have no transfer state at prefill yet and each backend
 has its own wire format with no room for a status or message; the bootstrap server is common to all
-backends. Like /route, the new route is unauthenticated: keep the bootstrap port on the cluster network.
+backends. Like /route, the new route is unauthenticated unless the series' control-plane authentication
+patch is applied too (0.5.x series): then both need a token.
 """
 
 H_CAPACITY = """\
@@ -85,6 +88,25 @@ it. SGLANG_HARDEN_CAPACITY=log starts anyway with a warning (off: silently).
 Why: SGLang then advertises a context it cannot serve; its real limit (max_req_input_len) is derived
 from the pool. In PD serving the two sides differ, so a prompt passes one side and is stubbed on the
 other - the precondition of the KV leak the other patches close.
+"""
+
+H_AUTH = """\
+sglang-harden backport: authenticate the PD control plane (bootstrap server and its clients)
+
+What: a new module sglang/srt/disaggregation/common/pd_auth.py. With a shared secret file named by
+SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE on every prefill and decode process:
+- the bootstrap server answers 401 to any request (every route except /health: /route,
+  /register_dp_rank, /query_dp_ranks, /pd_rejections, reads included) without a valid token in
+  X-SGLang-Harden-Auth: an HMAC-SHA256 over method, path and query, body hash, timestamp and nonce;
+  stale tokens (SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S, default 60) and replayed nonces are refused;
+- every request common/conn.py and pd_rejections send to a bootstrap server is signed;
+- the file may hold a second accepted secret (rotation without downtime) and is re-read on change;
+- SGLANG_HARDEN_BOOTSTRAP_AUTH=log logs refusals and serves; off disables; enforce without a secret
+  file, or an unusable file, refuses to start. No secret file: one WARNING, nothing checked.
+The wire format is the sglang-harden plugin's: patched and plugin nodes of a deployment interoperate.
+
+Why: anyone who reaches the bootstrap port can otherwise register as a rank for a room (and receive or
+redirect another tenant's KV), or post and read rejection notices. No SGLang release authenticates it.
 """
 
 PREFILL_DOOR_METHOD = '''
@@ -205,3 +227,35 @@ DECODE_NOTIFY_ABORT = '''                # sglang-harden backport: a room prefil
                 )
                 prepare_abort(decode_req.req, error_message, status_code=status_code)
 '''
+
+
+def auth_edits() -> list:
+    """The authentication patch (0.5.x): the new module, the signing client, the checking server."""
+    return [
+        (AUTHMOD, None, PD_AUTH),
+        (CONN, "from sglang.srt.disaggregation.common import pd_rejections\n",
+         "from sglang.srt.disaggregation.common import pd_auth, pd_rejections\n"),
+        (CONN, "\nlogger = logging.getLogger(__name__)\n",
+         "\nlogger = logging.getLogger(__name__)\n"
+         "# sglang-harden backport: every request this module sends to a bootstrap server is signed.\n"
+         "requests = pd_auth.signing(requests)\n"),
+        (CONN, "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n",
+         "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n"
+         "        pd_auth.protect(self.app)  # sglang-harden backport: a token on every route but /health\n"),
+        (NEWMOD, "from typing import Any, Dict, List, Optional, Tuple\n",
+         "from typing import Any, Dict, List, Optional, Tuple\n\n"
+         "from sglang.srt.disaggregation.common import pd_auth\n"),
+        (NEWMOD,
+         '    request = urllib.request.Request(url, data=body, method="PUT", headers={"Content-Type": '
+         '"application/json"})\n',
+         '    signed = {"Content-Type": "application/json", **pd_auth.headers("PUT", ROUTE, body)}\n'
+         '    request = urllib.request.Request(url, data=body, method="PUT", headers=signed)\n'),
+        (NEWMOD,
+         '        url = f"http://{addr}{ROUTE}?rooms=" + ",".join(str(r) for r in rooms)\n'
+         "        try:\n"
+         "            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:\n",
+         '        target = f"{ROUTE}?rooms=" + ",".join(str(r) for r in rooms)\n'
+         '        url = urllib.request.Request(f"http://{addr}{target}", headers=pd_auth.headers("GET", target, b""))\n'
+         "        try:\n"
+         "            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:\n"),
+    ]

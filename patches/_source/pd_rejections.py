@@ -16,7 +16,7 @@ Why not the transfer backend's own failure message: a request rejected at prefil
 sender, decode's destination info may not even have reached prefill yet, and each backend (Mooncake,
 NIXL, ...) has its own wire format without room for a status or text. The bootstrap server is common to
 all backends and already serves decode over HTTP. Like the existing ``/route`` endpoint it is not
-authenticated: keep the bootstrap port on the cluster network.
+authenticated unless ``pd_auth`` (the series' authentication patch) is applied too.
 Env: SGLANG_PD_REJECTION_POLL_INTERVAL (seconds, default 0.25; 0 disables decode's poller).
 """
 
@@ -98,7 +98,7 @@ def add_routes(app: Any) -> None:
 
     async def put(request: Any) -> Any:
         try:
-            room, status, message = parse_post(json.loads(await request.content.read(64 * 1024)))
+            room, status, message = parse_post(json.loads(await request.read()))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         BOARD.post(room, status, message)

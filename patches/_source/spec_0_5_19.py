@@ -113,4 +113,5 @@ PATCHES = [
          "        self._check_kv_pool_holds_context()  # sglang-harden backport\n"),
         (SCHED, "    def init_model_worker(self):\n", CAPACITY_METHOD + "    def init_model_worker(self):\n"),
     ]),
+    ("authenticate-control-plane", H_AUTH, auth_edits()),
 ]

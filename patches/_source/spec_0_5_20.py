@@ -25,4 +25,5 @@ PATCHES = [
     (notify_name, notify_header.replace(
         "the final send", "the final send (upstream's _retire_aborted_prefill_result)"), notify_edits),
     _by_name["capacity-gate"],
+    _by_name["authenticate-control-plane"],
 ]

@@ -22,4 +22,5 @@ PATCHES = [
     _by_name["coverage-publish-and-check"],
     (notify_name, notify_header, notify_edits),
     _by_name["capacity-gate"],
+    _by_name["authenticate-control-plane"],
 ]

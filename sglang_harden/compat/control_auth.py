@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from sglang_harden import events
+from sglang_harden.compat import signing
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import HardenConfig, Mode, bootstrap_auth_requested
 from sglang_harden.guards import bootstrap_auth
@@ -149,6 +150,9 @@ def outgoing_headers(method: str, target: str, body: bytes | str | None) -> dict
     """The token header for one request of ours to a bootstrap server ({} when not configured)."""
     auth = current()
     return auth.headers(method, target, body) if auth is not None else {}
+
+
+signing.register(outgoing_headers)  # what notify's and digest_channel's clients sign with
 
 
 # ---------------------------------------------------------------- server side

@@ -36,6 +36,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sglang_harden.compat import signing
+
 logger = logging.getLogger("sglang_harden")
 
 DIGEST_PATH = "/sglang_harden/digest"
@@ -335,10 +337,8 @@ class KeptAlive:
     def _exchange(
         self, connection: http.client.HTTPConnection, method: str, path: str, body: bytes | None
     ) -> tuple[int, bytes]:
-        from sglang_harden.compat import control_auth  # imported late: control_auth -> runtime -> here
-
         headers = {"Content-Type": "application/json"} if body is not None else {}
-        headers.update(control_auth.outgoing_headers(method, path, body))
+        headers.update(signing.headers(method, path, body))
         connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         if int(response.getheader("Content-Length") or 0) > self.MAX_BODY:

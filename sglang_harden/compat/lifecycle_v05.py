@@ -48,8 +48,10 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
+from sglang_harden.compat.abort_v05 import abort_and_stream
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.runtime import RUNTIME
+from sglang_harden.compat.shared import role_of
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle, page_tags
 from sglang_harden.guards.base import Decision, Verdict, allow
@@ -664,7 +666,6 @@ def _process_env(mode: str) -> None:
 
 def _make_node(scheduler: Any) -> None:
     global NODE
-    from sglang_harden.compat.sglang_v05 import role_of
 
     role = role_of(scheduler)
     allocator = scheduler.token_to_kv_pool_allocator
@@ -844,9 +845,7 @@ def _quarantine_door(original: Func) -> Func:
             return original(self, req, *args, **kwargs)
         decision = node.ledger.admission_open(node.cap)
         if events.record(decision, RUNTIME.config.lifecycle, room=room):
-            from sglang_harden.compat.sglang_v05 import _abort_and_stream
-
-            _abort_and_stream(self.scheduler, req, "sglang-harden: " + decision.reason, 503)
+            abort_and_stream(self.scheduler, req, "sglang-harden: " + decision.reason, 503)
             return None
         return original(self, req, *args, **kwargs)
 

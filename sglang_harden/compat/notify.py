@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sglang_harden.compat import signing
+
 logger = logging.getLogger("sglang_harden")
 
 ABORT_PATH = "/sglang_harden/abort"
@@ -264,6 +266,4 @@ def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
 
 def _signed(method: str, target: str, body: bytes) -> dict[str, str]:
     """The control-plane token header for this request ({} without a configured secret)."""
-    from sglang_harden.compat import control_auth  # imported late: control_auth -> runtime -> notify
-
-    return control_auth.outgoing_headers(method, target, body)
+    return signing.headers(method, target, body)

@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat import control_auth, hook_timer, kv_canary, kv_digest, lifecycle_v05
+from sglang_harden.compat.abort_v05 import abort_and_stream, is_aborted
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.lifecycle_v05 import MOONCAKE, NIXL
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
@@ -70,22 +71,7 @@ def pending_rejection(req: Any) -> PendingRejection | None:
     return None
 
 
-def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) -> None:
-    from sglang.srt.disaggregation.utils import prepare_abort
-
-    prepare_abort(req, message, status_code=status_code)
-    if hasattr(req, "to_finish"):
-        req.to_finish = None
-    scheduler.output_streamer.stream_output([req], req.return_logprob)
-
-
-def _is_aborted(req: Any) -> bool:
-    from sglang.srt.disaggregation.utils import is_aborted
-
-    return bool(is_aborted(req))
-
-
-READER = RequestReader(pending_rejection, _is_aborted, _abort_and_stream)
+READER = RequestReader(pending_rejection, is_aborted, abort_and_stream)
 
 
 def _door(role: str) -> Callable[[Func], Func]:

@@ -5,31 +5,17 @@ aborts that request promptly (seconds, not its waiting timeout) and its pages le
 the free list if no write can still land (nothing was in flight, or the writer confirmed it drained), into
 quarantine otherwise.
 
-Wire format (one small UTF-8 message, any transport that carries bytes):
-
-    b"sglang-harden/abort/1 <room> <status> <reason>"
-
-``room`` is the bootstrap room (decimal, may be 64-bit), ``status`` the HTTP status the client should get,
-``reason`` free text (may contain spaces, no newlines).
+The notices travel over prefill's bootstrap server (``compat/notify.py``: JSON at ``/sglang_harden/abort``);
+this module only decides.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sglang_harden.guards.base import Decision, Verdict
 
 GUARD = "abort_notify"
-_PREFIX = "sglang-harden/abort/1"
 PAGES_RELEASE = "release"
 PAGES_QUARANTINE = "quarantine"
-
-
-@dataclass(frozen=True)
-class AbortNotice:
-    room: int
-    status_code: int
-    reason: str
 
 
 def decide_on_peer_abort(rid: str, transfer_may_be_in_flight: bool, writer_drained: bool) -> Decision:
@@ -92,24 +78,3 @@ def decide_on_front_answer(rid: str, room: int, status_code: int, message: str) 
     room on the same notice and decides about its pages; this decision touches no page."""
     reason = f"prefill ended request {rid}: {message}"
     return Decision(GUARD, Verdict.ABORT, reason, status_code, {"rid": rid, "room": room, "answered": "front"})
-
-
-def encode_abort_notice(notice: AbortNotice) -> bytes:
-    reason = " ".join(notice.reason.split())
-    return f"{_PREFIX} {notice.room} {notice.status_code} {reason}".encode()
-
-
-def decode_abort_notice(message: bytes) -> AbortNotice | None:
-    """The notice in ``message``, or None if it is not one (so callers can share a channel)."""
-    try:
-        text = message.decode()
-    except UnicodeDecodeError:
-        return None
-    parts = text.split(" ", 3)
-    if len(parts) < 3 or parts[0] != _PREFIX:
-        return None
-    try:
-        room, status = int(parts[1]), int(parts[2])
-    except ValueError:
-        return None
-    return AbortNotice(room, status, parts[3] if len(parts) == 4 else "")

@@ -5,7 +5,7 @@ transfer wrote it. A reserved page still holding what it held before (the previo
 page of the incident) aborts the request before its first decode step. Cheap enough to stay on always; the
 digest (:mod:`.checksum`) is the thorough byte check, this is the precise "page never written" one.
 
-Two sources of evidence, used alone or together:
+The evidence:
 
 * **Stamp in a fixed slot** (memory truth, needs no cooperation from the sender). At reservation, decode
   writes a 64-bit marker into the first 8 bytes of one token row (head 0) of each reserved page, in a few
@@ -18,9 +18,6 @@ Two sources of evidence, used alone or together:
   synchronised, :func:`stamp` does it) *before* decode hands the page indices to prefill, and must never be
   re-applied to pages with a transfer in flight. Only pages freshly reserved for the transfer are stamped,
   never pages holding the request's cached prefix.
-* **Write bitmap** (:class:`WriteBitmap`), fed by the transfer completion path with the pages each finished
-  chunk covered, where the backend reports that (in-process/fake transfer, NIXL notifications, prefill-side
-  bookkeeping). A write reported for a page outside the reservation is itself an abort (foreign write).
 
 Relation to upstream ``--kv-canary`` (0.5.13+, default ``none``): upstream keeps separate per-token canary
 buffers (token id, position, a chained hash, optionally a hash of the first bytes of layer-0 KV) written by
@@ -38,7 +35,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_harden.guards.base import Decision, Verdict, allow
@@ -79,93 +75,6 @@ def decide_commit(rid: str, reserved_pages: Sequence[int], unwritten_pages: Iter
         ABORT_STATUS,
         {**fields, "unwritten_pages": missing[:MAX_LISTED], "unwritten_count": len(missing)},
     )
-
-
-def decide_foreign_write(rid: str, pages: Iterable[int]) -> Decision:
-    """ABORT: the transfer for ``rid`` reported writing pages decode never reserved for it."""
-    listed = sorted(set(pages))
-    reason = (
-        f"request {rid}: transfer wrote {len(listed)} KV pages outside its reservation (e.g. {listed[:MAX_LISTED]})"
-    )
-    return Decision(
-        GUARD,
-        Verdict.ABORT,
-        reason,
-        ABORT_STATUS,
-        {"rid": rid, "foreign_pages": listed[:MAX_LISTED], "foreign_count": len(listed)},
-    )
-
-
-@dataclass
-class WriteBitmap:
-    """Per-request bitmap of reserved pages, set by the transfer completion path."""
-
-    rid: str
-    pages: tuple[int, ...]
-    _index: dict[int, int] = field(init=False, repr=False)
-    _bits: int = field(init=False, default=0, repr=False)
-    _foreign: set[int] = field(init=False, default_factory=set, repr=False)
-
-    def __post_init__(self) -> None:
-        self._index = {page: i for i, page in enumerate(self.pages)}
-
-    def mark_written(self, pages: Iterable[int]) -> Decision | None:
-        """Record pages a finished chunk wrote; an ABORT decision if any was not reserved for this request."""
-        foreign = []
-        for page in pages:
-            i = self._index.get(page)
-            if i is None:
-                foreign.append(page)
-            else:
-                self._bits |= 1 << i
-        if foreign:
-            self._foreign.update(foreign)
-            return decide_foreign_write(self.rid, foreign)
-        return None
-
-    def unwritten(self) -> list[int]:
-        return [page for page, i in self._index.items() if not self._bits >> i & 1]
-
-    def check(self) -> Decision:
-        if self._foreign:
-            return decide_foreign_write(self.rid, self._foreign)
-        return decide_commit(self.rid, self.pages, self.unwritten())
-
-
-class CanaryLedger:
-    """Write bitmaps of the reservations in flight on one decode rank, by request id."""
-
-    def __init__(self) -> None:
-        self._live: dict[str, WriteBitmap] = {}
-
-    def reserve(self, rid: str, pages: Sequence[int]) -> WriteBitmap:
-        bitmap = WriteBitmap(rid, tuple(pages))
-        self._live[rid] = bitmap
-        return bitmap
-
-    def mark_written(self, rid: str, pages: Iterable[int]) -> Decision | None:
-        bitmap = self._live.get(rid)
-        if bitmap is None:
-            return decide_foreign_write(rid, pages)
-        return bitmap.mark_written(pages)
-
-    def check(self, rid: str) -> Decision:
-        bitmap = self._live.get(rid)
-        if bitmap is None:
-            return Decision(
-                GUARD,
-                Verdict.ABORT,
-                f"request {rid}: no reservation recorded for its transfer",
-                ABORT_STATUS,
-                {"rid": rid},
-            )
-        return bitmap.check()
-
-    def release(self, rid: str) -> None:
-        self._live.pop(rid, None)
-
-    def __len__(self) -> int:
-        return len(self._live)
 
 
 # --------------------------------------------------------------------------------------- torch helpers

@@ -28,7 +28,9 @@ a PR's wording, so a backported or locally patched tree is recognised. What each
 - ``decode_abort_notify``: a KV *sender*'s ``abort()`` (or a helper it calls) sends something to decode
   (a call named like notify / sync_status / send_multipart), so decode learns of a prefill-side abort.
 - ``bootstrap_auth``: the bootstrap server's ``/route`` handlers read request headers or compare a secret
-  (``compare_digest``, names with auth/token/secret/signature), or the aiohttp app has middlewares.
+  (``compare_digest``, names with auth/token/secret/signature), or the aiohttp app has middlewares; opt-in
+  (switch ``SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE``) when ``_setup_routes`` hands the app to a module named for
+  authentication (the backport series' ``pd_auth.protect(self.app)``).
 """
 
 from __future__ import annotations
@@ -487,7 +489,26 @@ def detect_bootstrap_auth(tree: SourceTree) -> Native:
         for call in calls(server_tree):
             if call_name(call) == "Application" and any(k.arg == "middlewares" for k in call.keywords):
                 return Native(YES, "bootstrap app has middlewares", [f"line {call.lineno}"])
+    setup = tree.function(module, "CommonKVBootstrapServer._setup_routes")
+    backport = _auth_module_call(setup) if setup is not None else None
+    if backport is not None:
+        return Native(OPT_IN, f"every bootstrap route checks a token once {BACKPORT_SECRET_ENV} names a secret file "
+                      "(sglang-harden backport)", [f"{setup.where}: {backport}"], switch=BACKPORT_SECRET_ENV)
     return Native(NO, "PUT /route accepts anyone", [h.where for h in handlers])
+
+
+BACKPORT_SECRET_ENV = "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"
+
+
+def _auth_module_call(ref: FuncRef) -> str | None:
+    """``<module>.<fn>(self.app)`` where the module's name says authentication (the backport's
+    ``pd_auth.protect(self.app)``): the app's middlewares are set up outside this file."""
+    for call in calls(ref.node):
+        func = call.func
+        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and _AUTH_RE.search(func.value.id)
+                and any("app" in attr_loads(arg) for arg in call.args)):
+            return f"{func.value.id}.{func.attr}(...)"
+    return None
 
 
 DETECTORS: dict[str, Callable[[SourceTree], Native]] = {

@@ -158,6 +158,10 @@ def switch_value(switch: str | None, launch_args: list[str], environ: dict[str, 
         return None
     if switch.startswith("--"):
         return _flag_value(switch, launch_args)
+    if switch == P.BACKPORT_SECRET_ENV:  # the backport's authentication: on with a secret file, unless off
+        if environ.get("SGLANG_HARDEN_BOOTSTRAP_AUTH", "").strip().lower() == "off":
+            return "off"
+        return "on" if environ.get(switch, "").strip() else None
     return environ.get(switch)
 
 
@@ -277,6 +281,14 @@ def control_plane_auth(launch_args: list[str], environ: dict[str, str], modes: d
     return mode
 
 
+def _control_plane_state(rows: list[Row], launch_args: list[str], environ: dict[str, str]) -> str:
+    """The settings' answer (enforce/log/unauthenticated), but "unauthenticated" whenever nothing in this install
+    would check a token (the plugin switched off on a tree without the backport, say)."""
+    auth = control_plane_auth(launch_args, environ, guard_modes(environ)[0])
+    row = next((r for r in rows if r.key == "bootstrap_auth"), None)
+    return "unauthenticated" if row is None or row.missing else auth
+
+
 def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) -> dict:
     version = tree.version()
     natives = P.inspect_tree(tree)
@@ -292,7 +304,7 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
         },
         "harden": {**asdict(harden), "config_error": config_error, "digest_kernel": digest_kernel(),
                    "ledger_kernel": ledger_kernel(),
-                   "control_plane_auth": control_plane_auth(launch_args, environ, guard_modes(environ)[0])},
+                   "control_plane_auth": _control_plane_state(rows, launch_args, environ)},
         "protections": [_row_json(r) for r in rows],
         "missing": [r.key for r in rows if r.missing],
         "ok": not any(r.missing for r in rows),

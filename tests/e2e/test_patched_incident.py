@@ -5,6 +5,10 @@ first on PYTHONPATH of both servers (``SGLANG_HARDEN_ACTIVATE=0``, so the plugin
 The scenario's pools are deliberately too small for the context, so the backported capacity gate runs in
 log mode (``SGLANG_HARDEN_CAPACITY=log``) — the request-path patches are what must stop the leak.
 
+The patched pair runs the series' control-plane authentication with a secret file (every bootstrap request
+the servers send is signed; an attacker without the secret is refused before the rounds); the patched-truncate
+pair runs without one.
+
 Per pin, one vanilla pair and one patched pair (sequentially), rounds: tenant A (200 tokens) then tenant B
 (300 tokens; prefill's limit 250, decode's 394):
 - patched: B gets HTTP 400 with prefill's original "exceeds the maximum allowed length" message from prefill
@@ -19,8 +23,12 @@ answered 200; B's output depends on A's traffic). The other tool cases: ``test_t
 
 from __future__ import annotations
 
+import json
+import secrets
 import shutil
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +43,7 @@ from sglang_harden.testbed.incident import (
     run_round,
 )
 from sglang_harden.testbed.procenv import SHIMS_DIR
-from sglang_harden.testbed.server import PDPair
+from sglang_harden.testbed.server import SECRET_FILE_ENV, PDPair
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 from sglang_harden.tools import patch as patch_tool
 
@@ -62,13 +70,21 @@ def _site_packages(pin: str) -> Path:
 
 
 def patched_tree(pin: str, dest: Path) -> Path:
-    """A copy of the pin's installed ``sglang/`` with the pin's series applied (the plugin is not in it)."""
-    shutil.copytree(_site_packages(pin) / "sglang", dest / "sglang",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    """A copy of the pin's installed ``sglang/`` with the pin's series applied (the plugin is not in it). The
+    venv's bytecode comes along (copytree keeps the sources' mtimes, so it stays valid; Python recompiles only
+    the patched files): without it each server compiled SGLang from source at start-up."""
+    shutil.copytree(_site_packages(pin) / "sglang", dest / "sglang")
     report = patch_tool.apply_series(dest, pin)
     assert report.ok, report.message
     assert patch_tool.verify_series(dest, pin).ok
     return dest
+
+
+def _secret_file(log_dir: Path) -> Path:
+    path = log_dir / "bootstrap.secret"
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return path
 
 
 def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, Any]:
@@ -76,6 +92,10 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
     prefill_flags = ["--allow-auto-truncate"] if variant == "patched-truncate" else []
     if tree is not None:
         env.update({"PYTHONPATH": f"{tree}:{SHIMS_DIR}", "SGLANG_HARDEN_CAPACITY": "log"})
+    if variant == "patched":  # the series' control-plane authentication on, with a secret of this pair's own
+        env[SECRET_FILE_ENV] = str(_secret_file(log_dir))
+    elif variant == "patched-truncate":  # no secret (the testbed gives one to every server unless told otherwise)
+        env[SECRET_FILE_ENV] = ""
     _progress(f"{pin} {variant}: starting pair (logs {log_dir})")
     pair = PDPair(
         pin, prefill_max_total_tokens=SETUP.prefill_max_total_tokens,
@@ -87,6 +107,7 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
     ).start()
     rounds: list[RoundResult] = []
     try:
+        attacks = _attack(pair) if variant == "patched" else []
         for index, seed in enumerate(SEEDS):
             rounds.append(run_round(pair, index, seed, SETUP, tag=f"{variant}-"))
             b = rounds[-1].b
@@ -96,7 +117,33 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
         tools = _operator_tools(pair) if variant == "vanilla" else {}
     finally:
         pair.stop()
-    return {"rounds": rounds, "logs": logs, "tools": tools}
+    return {"rounds": rounds, "logs": logs, "tools": tools, "attacks": attacks}
+
+
+def _attack(pair: PDPair) -> list[tuple[str, int]]:
+    """An attacker without the secret, before the rounds: register itself as prefill's rank 0 (had it worked,
+    decode would fetch KV from 127.0.0.2 and every round would fail), post a rejection notice for a room, read
+    the notices and the rank table. Each (request, status)."""
+    registration = {"role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                    "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
+                    "system_dp_rank": 0, "rank_ip": "127.0.0.2", "rank_port": 1, "page_size": 1,
+                    "kv_cache_dtype": "auto"}
+    forged = [("PUT", "/route", json.dumps(registration).encode()),
+              ("PUT", "/pd_rejections", json.dumps({"room": 1, "status_code": 400, "message": "forged"}).encode()),
+              ("GET", "/pd_rejections?rooms=1", b""),
+              ("GET", "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0", b""),
+              ("POST", "/query_dp_ranks", json.dumps({"bootstrap_rooms": [1]}).encode())]
+    assert pair.prefill.bootstrap_port is not None
+    out = []
+    for method, target, body in forged:
+        request = urllib.request.Request(f"http://127.0.0.1:{pair.prefill.bootstrap_port}{target}", data=body or None,
+                                         method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                out.append((f"{method} {target}", int(answer.status)))
+        except urllib.error.HTTPError as exc:
+            out.append((f"{method} {target}", int(exc.code)))
+    return out
 
 
 def _operator_tools(pair: PDPair) -> dict[str, Any]:
@@ -159,6 +206,22 @@ def test_patched_code_runs_in_the_servers(incident: Any, pin: str) -> None:
     for role in ("prefill", "decode"):
         assert "KV pool too small for the configured context" in logs[role], role
     assert "pd_rejections: prefill" in logs["decode"]
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_control_plane_refuses_an_attacker(incident: Any, pin: str) -> None:
+    """With a secret file, the patched bootstrap server refuses every request of a caller without the secret
+    (prefill's rank table stayed intact: the rounds after the attack pass, test_normal_requests_unchanged), and
+    says so in its log, without the token. Without one (patched-truncate), both sides warn once per process."""
+    run = incident(pin, "patched")
+    assert run["attacks"] and all(status == 401 for _, status in run["attacks"]), run["attacks"]
+    for role in ("prefill", "decode"):
+        assert "pd_auth: PD control plane authenticated (enforce mode, 1 secret(s))" in run["logs"][role], role
+    assert run["logs"]["prefill"].count("pd_auth: refused ") >= len(run["attacks"])
+    assert "sgh1." not in run["logs"]["prefill"]
+    unauthenticated = incident(pin, "patched-truncate")["logs"]
+    for role in ("prefill", "decode"):
+        assert "pd_auth: the PD control plane is UNAUTHENTICATED" in unauthenticated[role], role
 
 
 @pytest.mark.parametrize("pin", PINS)

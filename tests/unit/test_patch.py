@@ -16,9 +16,11 @@ import py_compile
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -147,8 +149,11 @@ def test_reject_leaves_the_tree_untouched(tmp_path: Path) -> None:
     pin = "0.5.19"
     tree = make_tree(pin, tmp_path)
     last = P.load_series(pin, PATCHES)[-1]
-    target = tree / last.targets[0]
-    target.write_text(target.read_text().replace(") = self.tp_worker.get_worker_info()", ") = (None,) * 12"))
+    assert "authenticate-control-plane" in last.name
+    target = tree / "sglang/srt/disaggregation/common/conn.py"
+    text = target.read_text()
+    assert text.count("\nlogger = logging.getLogger(__name__)\n") == 1
+    target.write_text(text.replace("\nlogger = logging.getLogger(__name__)\n", "\nlogger = logging.getLogger('x')\n"))
     digest = _digest(tree)
     with pytest.raises(P.PatchError) as info:
         P.apply_series(tree, pin)
@@ -188,19 +193,45 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the patched code itself (no SGLang import)
 
 
-def _load_pd_rejections(tmp_path: Path) -> ModuleType:
-    tree = make_tree("0.5.19", tmp_path)
-    P.apply_series(tree, "0.5.19")
-    path = tree / "sglang/srt/disaggregation/common/pd_rejections.py"
-    spec = importlib.util.spec_from_file_location("pd_rejections_under_test", path)
+PATCHED_COMMON = "sglang/srt/disaggregation/common"
+
+
+def _patched_tree(tmp_path: Path, pin: str = "0.5.19") -> Path:
+    tree = make_tree(pin, tmp_path / "tree")
+    P.apply_series(tree, pin)
+    return tree
+
+
+def _load_patched(tree: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A new module of the patched tree, imported from its file. Its ``from sglang.srt.disaggregation.common
+    import pd_auth`` is served by empty package modules (SGLang is not installed here), put in sys.modules for
+    this test only."""
+    pd_auth = _load_patched(tree, "pd_auth", monkeypatch) if name != "pd_auth" else None
+    packages = ["sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.disaggregation.common"]
+    for package in packages:
+        monkeypatch.setitem(sys.modules, package, ModuleType(package))
+    sys.modules[packages[-1]].pd_auth = pd_auth  # type: ignore[attr-defined]
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", tree / PATCHED_COMMON / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_rejection_board_is_bounded_and_expires(tmp_path: Path) -> None:
-    mod = _load_pd_rejections(tmp_path)
+@pytest.fixture
+def no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", "SGLANG_HARDEN_BOOTSTRAP_AUTH",
+                 "SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _load_pd_rejections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return _load_patched(_patched_tree(tmp_path), "pd_rejections", monkeypatch)
+
+
+def test_rejection_board_is_bounded_and_expires(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                no_secret: None) -> None:
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
     board = mod.RejectionBoard(capacity=2, ttl_s=3600)
     for room in (1, 2, 3):
         board.post(room, 400, f"m{room}")
@@ -211,8 +242,8 @@ def test_rejection_board_is_bounded_and_expires(tmp_path: Path) -> None:
     assert stale.lookup([7]) == {}
 
 
-def test_rejection_inputs_are_validated(tmp_path: Path) -> None:
-    mod = _load_pd_rejections(tmp_path)
+def test_rejection_inputs_are_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
     assert mod.parse_post({"room": 5, "status_code": 400, "message": "too long"}) == (5, 400, "too long")
     for bad in ([], {"room": "5", "status_code": 400, "message": "m"}, {"room": 5, "status_code": 200, "message": "m"}):
         with pytest.raises(ValueError):
@@ -221,8 +252,8 @@ def test_rejection_inputs_are_validated(tmp_path: Path) -> None:
         mod.parse_rooms(",".join(str(i) for i in range(mod.MAX_ROOMS_PER_QUERY + 1)))
 
 
-def test_abort_verdict_reads_both_fields(tmp_path: Path) -> None:
-    mod = _load_pd_rejections(tmp_path)
+def test_abort_verdict_reads_both_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
 
     class FINISH_ABORT:  # noqa: N801 - same name as SGLang's class, which is what the module checks
         def __init__(self, message: str, status_code: int | None) -> None:
@@ -235,3 +266,164 @@ def test_abort_verdict_reads_both_fields(tmp_path: Path) -> None:
     assert mod.abort_verdict(Req()) == (400, "Input length (300 tokens) exceeds")
     Req.finished_reason, Req.to_finish = FINISH_ABORT("aborted", None), None
     assert mod.abort_verdict(Req()) == (500, "aborted")
+
+
+# ---------------------------------------------------------------- the patched control-plane authentication
+
+
+def _secret_file(path: Path, *secrets_: str) -> Path:
+    path.write_text("\n".join(secrets_) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def _load_pd_auth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> ModuleType:
+    for name, value in env.items():
+        monkeypatch.setenv(f"SGLANG_HARDEN_BOOTSTRAP_{name.upper()}", value)
+    return _load_patched(_patched_tree(tmp_path), "pd_auth", monkeypatch)
+
+
+SECRET_A, SECRET_B = "a" * 16 + "0123456789abcdef", "b" * 16 + "fedcba9876543210"
+
+
+def test_patched_auth_speaks_the_plugins_wire_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     no_secret: None) -> None:
+    """A token the patched tree signs passes the plugin's check, and the reverse: patched and plugin nodes of one
+    deployment interoperate."""
+    from sglang_harden.guards import bootstrap_auth
+
+    pd_auth = _load_pd_auth(tmp_path, monkeypatch, secret_file=str(_secret_file(tmp_path / "s", SECRET_A)))
+    keyring = bootstrap_auth.parse_secrets(SECRET_A)
+    body = b'{"room": 7, "status_code": 400, "message": "m"}'
+    ours = pd_auth.headers("PUT", "/pd_rejections", body)[bootstrap_auth.HEADER]
+    verdict = bootstrap_auth.verify(keyring, "PUT", "/pd_rejections", body, ours, bootstrap_auth.NonceCache(60))
+    assert verdict.verdict.value == "allow", verdict.reason
+    theirs = bootstrap_auth.sign(keyring, "GET", "/pd_rejections?rooms=7", b"")
+    assert pd_auth.AUTH.refusal("GET", "/pd_rejections?rooms=7", b"", theirs) is None
+    assert pd_auth.HEADER == bootstrap_auth.HEADER
+
+
+def test_patched_auth_refuses_what_it_must(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
+    pd_auth = _load_pd_auth(tmp_path, monkeypatch, secret_file=str(_secret_file(tmp_path / "s", SECRET_A)),
+                            auth_max_age_s="30")
+    auth = pd_auth.AUTH
+    body = b'{"room": 1}'
+    token = pd_auth.headers("PUT", "/route", body)[pd_auth.HEADER]
+    assert "missing" in auth.refusal("PUT", "/route", body, None)
+    assert "malformed" in auth.refusal("PUT", "/route", body, "sgh1.x.y.z")
+    assert "does not match" in auth.refusal("PUT", "/route", b'{"room": 2}', token)  # body changed
+    assert "does not match" in auth.refusal("GET", "/route", body, token)  # method changed
+    assert "does not match" in auth.refusal("PUT", "/route?x=1", body, token)  # target changed
+    assert auth.refusal("PUT", "/route", body, token) is None
+    assert "replayed" in auth.refusal("PUT", "/route", body, token)
+    from sglang_harden.guards import bootstrap_auth
+
+    stale = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_A), "PUT", "/route", body, now=time.time() - 31)
+    assert "old" in auth.refusal("PUT", "/route", body, stale)
+    wrong = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_B), "PUT", "/route", body)
+    assert "does not match" in auth.refusal("PUT", "/route", body, wrong)
+
+
+def test_patched_auth_rotates_with_two_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               no_secret: None) -> None:
+    """The file holds (signing, next); a change of the file is picked up without a restart."""
+    from sglang_harden.guards import bootstrap_auth
+
+    secret = _secret_file(tmp_path / "s", SECRET_A, SECRET_B)
+    pd_auth = _load_pd_auth(tmp_path, monkeypatch, secret_file=str(secret))
+    for key in (SECRET_A, SECRET_B):
+        token = bootstrap_auth.sign(bootstrap_auth.parse_secrets(key), "GET", "/route", b"")
+        assert pd_auth.AUTH.refusal("GET", "/route", b"", token) is None, key
+    _secret_file(secret, SECRET_B + "-and-more-characters")
+    monkeypatch.setattr(pd_auth, "RELOAD_EVERY_S", 0.0)
+    old = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_A), "GET", "/route", b"")
+    assert "does not match" in pd_auth.AUTH.refusal("GET", "/route", b"", old)
+    _secret_file(secret, "short")  # an unusable file keeps the last good secrets
+    new = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_B + "-and-more-characters"), "GET", "/route", b"")
+    assert pd_auth.AUTH.refusal("GET", "/route", b"", new) is None
+
+
+def test_patched_auth_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None,
+                               caplog: pytest.LogCaptureFixture) -> None:
+    """No secret: nothing signed, a WARNING. enforce without a secret, a short secret, a bad mode: refuse."""
+    tree = _patched_tree(tmp_path)
+    with caplog.at_level("WARNING"):
+        open_module = _load_patched(tree, "pd_auth", monkeypatch)
+    assert open_module.AUTH is None and open_module.headers("GET", "/route", b"") == {}
+    assert "UNAUTHENTICATED" in caplog.text
+    fake_requests = ModuleType("requests")
+    assert open_module.signing(fake_requests) is fake_requests
+    for env, expected in ((("AUTH", "enforce"),), "needs a secret"), \
+            ((("SECRET_FILE", str(_secret_file(tmp_path / "short", "x" * 31))),), "at least 32"), \
+            ((("SECRET_FILE", str(tmp_path / "missing")),), "does not exist"), \
+            ((("AUTH", "sometimes"), ("SECRET_FILE", str(_secret_file(tmp_path / "ok", SECRET_A)))), "expected one"):
+        with monkeypatch.context() as scoped:
+            for name, value in env:
+                scoped.setenv(f"SGLANG_HARDEN_BOOTSTRAP_{name}", value)
+            with pytest.raises(RuntimeError, match=expected) as info:
+                _load_patched(tree, "pd_auth", scoped)
+            assert SECRET_A not in str(info.value)
+    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_AUTH", "off")
+    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", str(tmp_path / "ok"))
+    assert _load_patched(tree, "pd_auth", monkeypatch).AUTH is None
+
+
+def test_patched_rejection_clients_sign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
+    """pd_rejections' PUT and GET carry a token over exactly the target they send."""
+    from sglang_harden.guards import bootstrap_auth
+
+    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", str(_secret_file(tmp_path / "s", SECRET_A)))
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
+    sent: list[Any] = []
+
+    class Answer:
+        status = 200
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def read(self, _limit: int) -> bytes:
+            return b'{"rooms": {}}'
+
+    monkeypatch.setattr(mod.urllib.request, "urlopen", lambda request, timeout: sent.append(request) or Answer())
+    base_conn = ModuleType("sglang.srt.disaggregation.base.conn")
+    base_conn.KVPoll = type("KVPoll", (), {})  # type: ignore[attr-defined]  # _query imports it (SGLang's enum)
+    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base", ModuleType("sglang.srt.disaggregation.base"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base.conn", base_conn)
+    assert mod._put("http://127.0.0.1:1/pd_rejections", b'{"room": 3}')
+    mod.RejectionWatcher.__new__(mod.RejectionWatcher)._query("127.0.0.1:1", [3, 4])
+    keyring, nonces = bootstrap_auth.parse_secrets(SECRET_A), bootstrap_auth.NonceCache(60)
+    put, get = sent
+    assert get.full_url == "http://127.0.0.1:1/pd_rejections?rooms=3,4"
+    for request, target, body in ((put, "/pd_rejections", b'{"room": 3}'), (get, "/pd_rejections?rooms=3,4", b"")):
+        token = request.get_header(bootstrap_auth.HEADER.capitalize())
+        decision = bootstrap_auth.verify(keyring, request.get_method(), target, body, token, nonces)
+        assert decision.verdict.value == "allow", decision.reason
+
+
+def test_doctor_reads_the_patched_authentication(tmp_path: Path) -> None:
+    """doctor on a patched tree: the backport's authentication is an opt-in protection, on only with a secret file
+    (and not off); on a vanilla tree nothing authenticates, whatever the settings say."""
+    from sglang_harden.tools import _protections as protections
+    from sglang_harden.tools import doctor
+    from sglang_harden.tools._source import SourceTree
+
+    vanilla = SourceTree(make_tree("0.5.19", tmp_path / "vanilla"))
+    assert protections.detect_bootstrap_auth(vanilla).status == protections.NO
+    patched = SourceTree(_patched_tree(tmp_path))
+    native = protections.detect_bootstrap_auth(patched)
+    assert native.status == protections.OPT_IN and "pd_auth.protect" in native.evidence[0], native
+    plugin_off = {"SGLANG_HARDEN_ACTIVATE": "0"}
+    secret = {**plugin_off, "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE": str(tmp_path / "secret")}
+    cases = [(patched, plugin_off, "MISSING", "unauthenticated"),
+             (patched, secret, "native (switched on)", "enforce"),
+             (patched, {**secret, "SGLANG_HARDEN_BOOTSTRAP_AUTH": "log"}, "native (switched on)", "log"),
+             (patched, {**secret, "SGLANG_HARDEN_BOOTSTRAP_AUTH": "off"}, "MISSING", "unauthenticated"),
+             (vanilla, secret, "MISSING", "unauthenticated")]
+    for tree, environ, verdict, auth in cases:
+        data = doctor.report(tree, [], environ)
+        row = next(p for p in data["protections"] if p["key"] == "bootstrap_auth")
+        assert (row["verdict"], data["harden"]["control_plane_auth"]) == (verdict, auth), environ

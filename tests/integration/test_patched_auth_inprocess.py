@@ -1,0 +1,222 @@
+"""The backport series' control-plane authentication on SGLang's real bootstrap server: run under a pin venv.
+
+The pin's series (``patches/<pin>``) is applied to a copy of the files it touches, taken from the venv's SGLang.
+A subprocess (``sglang_harden.testbed.patched_bootstrap``, plugin off) runs the patched ``CommonKVBootstrapServer``
+with a secret file and, once serving, registers a prefill rank through SGLang's own bootstrap client and posts a
+rejection notice through ``pd_rejections``: both are served, so the patched clients sign. Asserted from outside:
+
+- every route but ``/health`` answers 401 to an unsigned, forged, stale or replayed request, and a refused
+  request changes nothing (the route table and the rejection board, read back with a valid token);
+- a token signed by the plugin's code (same secret) is served: plugin and patched nodes interoperate;
+- fuzzing (hypothesis): unsigned bodies, queries and tokens of any shape get 401 (``FUZZ_EXAMPLES`` per route:
+  a fifth of ``SGLANG_HARDEN_FUZZ_EXAMPLES``, 200 by default; the token check runs before any route's handler
+  and is the plugin's, fuzzed with 1000 per route in ``test_control_auth_inprocess.py``); signed malformed
+  bodies get a 4xx or 2xx, never a 5xx (half that count); the server stays up;
+- a 10 MB body gets 413.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+requests = pytest.importorskip("requests")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
+from sglang_harden.testbed.envs import REPO_ROOT  # noqa: E402
+from sglang_harden.testbed.patched_bootstrap import REJECTED_ROOM, registration  # noqa: E402
+from sglang_harden.testbed.procs import free_port  # noqa: E402
+from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY  # noqa: E402
+from sglang_harden.tools import patch as patch_tool  # noqa: E402
+
+SECRET = "p" * MIN_SECRET_CHARS
+OTHER = "q" * MIN_SECRET_CHARS
+FUZZ_EXAMPLES = max(50, int(os.environ.get("SGLANG_HARDEN_FUZZ_EXAMPLES", "1000")) // 5)
+ROUTES = [("PUT", "/route"), ("GET", "/route"), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks"),
+          ("PUT", "/pd_rejections"), ("GET", "/pd_rejections")]
+VERSION_FILES = ("sglang/version.py", "sglang/_version.py")
+PIN = sglang.__version__
+
+pytestmark = pytest.mark.skipif(
+    PIN not in patch_tool.available_pins(patch_tool.default_patches_dir())
+    or not any("authenticate-control-plane" in p.name
+               for p in patch_tool.load_series(PIN, patch_tool.default_patches_dir())),
+    reason=f"no authentication patch in a series for SGLang {PIN}")
+
+
+def _patched_files(dest: Path) -> Path:
+    """The series' targets (and version files) copied from the venv's SGLang, then patched."""
+    site = Path(sglang.__file__).resolve().parent.parent
+    series = patch_tool.load_series(PIN, patch_tool.default_patches_dir())
+    for rel in {*VERSION_FILES, *(t for p in series for t in p.targets)}:
+        if (site / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(site / rel, dest / rel)
+    report = patch_tool.apply_series(dest, PIN)
+    assert report.ok, report.message
+    return dest
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("patched-auth")
+    tree = _patched_files(root / "tree")
+    secret_file = root / "secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    port = free_port()
+    env = {**os.environ, "SGLANG_HARDEN_ACTIVATE": "0", "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE": str(secret_file),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = (root / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_harden.testbed.patched_bootstrap", str(tree), str(port)],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line:
+            proc.wait(10)
+            pytest.fail(f"the patched bootstrap server exited ({proc.returncode}): "
+                        f"{(root / 'server.log').read_text()[-2000:]}")
+        yield {"base": f"http://127.0.0.1:{port}", "report": json.loads(line), "tree": tree, "log": root / "server.log"}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+
+
+CLIENT = requests.Session()
+
+
+def _send(base: str, method: str, target: str, body: bytes = b"", headers: dict[str, str] | None = None) -> Any:
+    return CLIENT.request(method, base + target, data=body, headers=headers or {}, timeout=10)
+
+
+def _signed(method: str, target: str, body: bytes = b"", secret: str = SECRET) -> dict[str, str]:
+    return {HEADER: sign(parse_secrets(secret), method, target, body)}
+
+
+RANK_QUERY = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+
+
+def _read_state(base: str) -> tuple[str, str, str]:
+    """The server's layout, the registered rank 0 and the rejection board for the rooms these tests touch, read
+    with valid tokens."""
+    board = f"/pd_rejections?rooms={REJECTED_ROOM},{REJECTED_ROOM + 1}"
+    answers = [_send(base, "GET", target, headers=_signed("GET", target))
+               for target in (ROUTE_TABLE_QUERY, RANK_QUERY, board)]
+    assert all(a.status_code == 200 for a in answers), [(a.status_code, a.text) for a in answers]
+    layout, rank, rejections = (a.text for a in answers)
+    return layout, rank, rejections
+
+
+def test_patched_clients_sign_and_are_served(server: dict[str, Any]) -> None:
+    """SGLang's own client (``conn.requests``) registered a rank and ``pd_rejections`` posted a notice."""
+    report = server["report"]
+    assert report["authenticated"] is True, report
+    assert Path(report["conn_file"]).is_relative_to(server["tree"]), report
+    assert report["client_register_status"] == 200, report
+    assert report["rejection_posted"] is True, report
+    layout, rank, board = _read_state(server["base"])
+    assert str(REJECTED_ROOM) in json.loads(board)["rooms"], board
+    assert json.loads(layout)["attn_tp_size"] == 1, layout
+    assert "127.0.0.1" in rank and "17000" in rank, rank
+
+
+@pytest.mark.parametrize("method,path", ROUTES)
+def test_unsigned_requests_are_refused_and_change_nothing(server: dict[str, Any], method: str, path: str) -> None:
+    before = _read_state(server["base"])
+    body = b""
+    if method != "GET":
+        payload = {"room": REJECTED_ROOM + 1, "status_code": 400, "message": "forged"} if "pd_rejections" in path \
+            else dict(registration(17001), rank_ip="127.0.0.2", bootstrap_room=REJECTED_ROOM + 1)
+        body = json.dumps(payload).encode()
+    answer = _send(server["base"], method, path, body)
+    assert answer.status_code == 401, answer.text
+    assert _read_state(server["base"]) == before
+
+
+def test_health_stays_open(server: dict[str, Any]) -> None:
+    assert _send(server["base"], "GET", "/health").status_code == 200
+
+
+def test_forged_stale_and_replayed_tokens_are_refused(server: dict[str, Any]) -> None:
+    base, target = server["base"], f"/pd_rejections?rooms={REJECTED_ROOM}"
+    assert _send(base, "GET", target, headers=_signed("GET", target, secret=OTHER)).status_code == 401
+    stale = {HEADER: sign(parse_secrets(SECRET), "GET", target, b"", now=time.time() - 3600)}
+    assert _send(base, "GET", target, headers=stale).status_code == 401
+    assert _send(base, "GET", target, headers=_signed("GET", "/pd_rejections?rooms=1")).status_code == 401
+    once = _signed("GET", target)
+    assert _send(base, "GET", target, headers=once).status_code == 200, "the plugin's token is served"
+    assert _send(base, "GET", target, headers=once).status_code == 401, "the same token again is a replay"
+    log = server["log"].read_text()
+    assert "pd_auth: refused GET /pd_rejections" in log and "replayed" in log
+    assert "sgh1." not in log, "a refusal's log line quoted a token"
+
+
+def test_ten_megabyte_body_is_refused(server: dict[str, Any]) -> None:
+    body = b"x" * (10 * 1024 * 1024)
+    answer = _send(server["base"], "PUT", "/pd_rejections", body, _signed("PUT", "/pd_rejections", body))
+    assert answer.status_code == 413
+
+
+SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)
+           | st.text(max_size=20))
+FIELDS = [*registration(0), "room", "status_code", "message", "bootstrap_room"]
+BODIES = st.one_of(st.binary(max_size=2048),
+                   st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
+                                | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+                                max_leaves=12).map(lambda v: json.dumps(v).encode()),
+                   st.fixed_dictionaries({}, optional={k: SCALARS for k in FIELDS}).map(
+                       lambda v: json.dumps(v).encode()))
+QUERIES = st.one_of(st.just(""), st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789=&,-_", max_size=40).map(
+    lambda q: "?" + q))
+TOKENS = st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=300),
+                   st.builds(lambda ts, n, m: f"sgh1.{ts}.{n}.{m}", st.integers(-5, 2**40),
+                             st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),
+                             st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)))
+
+
+@pytest.mark.parametrize("method,path", ROUTES)
+def test_fuzz_unsigned_and_forged(server: dict[str, Any], method: str, path: str) -> None:
+    before = _read_state(server["base"])
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=BODIES, query=QUERIES, token=TOKENS, verb=st.sampled_from([method, "POST", "DELETE", "PATCH"]))
+    def one(body: bytes, query: str, token: str | None, verb: str) -> None:
+        answer = _send(server["base"], verb, path + query, body, {} if token is None else {HEADER: token})
+        assert answer.status_code == 401, (answer.status_code, answer.text[:200])
+
+    one()
+    assert _read_state(server["base"]) == before, "refused requests changed the server's state"
+    assert _send(server["base"], "GET", "/health").status_code == 200
+
+
+@pytest.mark.parametrize("method,path", ROUTES)
+def test_fuzz_signed_malformed_bodies_get_4xx(server: dict[str, Any], method: str, path: str) -> None:
+    """A secret holder sending garbage (a bug, or a compromised node): a 4xx or a 2xx, never a 5xx."""
+
+    @settings(max_examples=max(50, FUZZ_EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=BODIES, query=QUERIES)
+    def one(body: bytes, query: str) -> None:
+        target = path + query
+        answer = _send(server["base"], method, target, body, _signed(method, target, body))
+        assert answer.status_code < 500, (answer.status_code, answer.text[:200])
+
+    one()
+    assert _send(server["base"], "GET", "/health").status_code == 200
