@@ -86,11 +86,11 @@ E2E_GROUP_MINUTES = {
     "test_guards_v049": 5.0,
     "test_digest_e2e": 5.0,
     "test_soak_e2e": 4.9,
-    "test_patched_incident": 6.0,
+    "test_patched_incident": 5.0,
     "test_digest_tp2_e2e": 4.4,
     "test_lifecycle_e2e": 4.3,
     "test_incident": 3.0,
-    "test_capacity_e2e": 2.2,
+    "test_capacity_e2e": 2.8,
     "test_fail_closed_e2e": 2.0,
     "test_importhook_coexist_e2e": 1.5,
 }

@@ -2,7 +2,30 @@
 from pathlib import Path
 
 PD_REJECTIONS = (Path(__file__).resolve().parent / "pd_rejections.py").read_text()
-PD_AUTH = (Path(__file__).resolve().parent / "pd_auth.py").read_text()
+EMBED_MARK = "# ---- embedded in the backport series' pd_auth.py from here on\n"
+
+
+def _embedded(rel: str) -> str:
+    """The part of an sglang-harden module below its embed mark (stdlib-only code the patches share with it)."""
+    text = (Path(__file__).resolve().parents[2] / rel).read_text()
+    return text.split(EMBED_MARK, 1)[1].strip() + "\n"
+
+
+EMBEDS = ("sglang_harden/compat/signing_client.py", "sglang_harden/compat/bootstrap_http.py")
+
+
+def _pd_auth() -> str:
+    """pd_auth.py with the plugin's own shared code put in at its ``# <embed FILE>`` lines."""
+    text = (Path(__file__).resolve().parent / "pd_auth.py").read_text()
+    for rel in EMBEDS:
+        mark = f"# <embed {rel}>\n"
+        assert text.count(mark) == 1, f"pd_auth.py lost its embed mark for {rel}"
+        text = text.replace(mark, f"# (from sglang-harden's {Path(rel).name}: the plugin runs the same code)\n"
+                            + _embedded(rel))
+    return text
+
+
+PD_AUTH = _pd_auth()
 PREFILL = "sglang/srt/disaggregation/prefill.py"
 DECODE = "sglang/srt/disaggregation/decode.py"
 UTILS = "sglang/srt/disaggregation/utils.py"
@@ -10,6 +33,7 @@ CONN = "sglang/srt/disaggregation/common/conn.py"
 NEWMOD = "sglang/srt/disaggregation/common/pd_rejections.py"
 AUTHMOD = "sglang/srt/disaggregation/common/pd_auth.py"
 SCHED = "sglang/srt/managers/scheduler.py"
+TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
 
 H_ADMISSION = """\
 sglang-harden backport: admission at both PD doors
@@ -83,7 +107,9 @@ sglang-harden backport: capacity gate (refuse to start when the KV pool cannot h
 
 What: at scheduler start-up, after the pool is sized, if the pool holds fewer tokens than the
 configured context length the scheduler refuses to start with both numbers and the flags that fix
-it. SGLANG_HARDEN_CAPACITY=log starts anyway with a warning (off: silently).
+it. SGLANG_HARDEN_CAPACITY=clamp starts with the context lowered to what the pool holds, in the
+scheduler and in the tokenizer manager (which advertises it and checks prompts against it);
+log starts anyway with a warning (off: silently). The same settings as the sglang-harden plugin's.
 
 Why: SGLang then advertises a context it cannot serve; its real limit (max_req_input_len) is derived
 from the pool. In PD serving the two sides differ, so a prompt passes one side and is stubbed on the
@@ -196,8 +222,35 @@ COVERAGE_CHECK_METHOD = '''    def _transfer_covers_prompt(self, decode_req: Dec
 
 '''
 
+TOKENIZER_ANCHOR = '''    """TokenizerManager is a process that tokenizes the text."""
+'''
+
+TOKENIZER_CLAMP = TOKENIZER_ANCHOR + '''
+    # sglang-harden backport: SGLANG_HARDEN_CAPACITY=clamp. The scheduler lowered its context to what its KV
+    # pool holds; when this process learns the pool-bound input limit it lowers the context it advertises and
+    # checks prompts against to the same value.
+    @property
+    def max_req_input_len(self):
+        return self.__dict__.get("_harden_max_req_input_len")
+
+    @max_req_input_len.setter
+    def max_req_input_len(self, value):
+        self.__dict__["_harden_max_req_input_len"] = value
+        if value is None or os.environ.get("SGLANG_HARDEN_CAPACITY", "").strip().lower() != "clamp":
+            return
+        fitting = int(value) + 6  # the margin SGLang subtracts from the pool (as in the scheduler's capacity gate)
+        if fitting < self.model_config.context_len:
+            logger.warning(
+                f"KV pool holds less than the context: advertised context {self.context_len} -> {fitting} "
+                f"(SGLANG_HARDEN_CAPACITY=clamp)"
+            )
+            self.model_config.context_len = fitting
+            self.context_len = fitting
+'''
+
 CAPACITY_METHOD = '''    def _check_kv_pool_holds_context(self) -> None:
         """sglang-harden backport: refuse to start when the KV pool cannot hold the context length."""
+        margin = 6  # SGLang's max_req_input_len = min(context - 1, pool - 1) - 5
         context_len = self.model_config.context_len
         if self.max_total_num_tokens >= context_len:
             return
@@ -207,12 +260,18 @@ CAPACITY_METHOD = '''    def _check_kv_pool_holds_context(self) -> None:
             f"{self.max_total_num_tokens} tokens, context_len={context_len}, so prompts over "
             f"max_req_input_len={self.max_req_input_len} tokens are rejected although the server "
             f"advertises {context_len}. Raise --max-total-tokens or --mem-fraction-static, or lower "
-            f"--context-length to {self.max_total_num_tokens}; SGLANG_HARDEN_CAPACITY=log starts anyway."
+            f"--context-length to {self.max_total_num_tokens}; SGLANG_HARDEN_CAPACITY=clamp lowers the "
+            f"context to what fits, SGLANG_HARDEN_CAPACITY=log starts anyway."
         )
         if mode == "off":
             return
         if mode == "log":
             logger.warning(message)
+            return
+        if mode == "clamp" and self.max_req_input_len > 0:
+            fitting = self.max_req_input_len + margin
+            logger.warning(f"{message} Clamping context_len {context_len} -> {fitting} (SGLANG_HARDEN_CAPACITY=clamp).")
+            self.model_config.context_len = fitting
             return
         raise RuntimeError(message)
 

@@ -24,6 +24,7 @@ OUT = HERE.parent
 def apply_edit(root: Path, rel: str, old: str | None, new: str) -> None:
     path = root / rel
     if old is None:  # new file
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(new)
         return
     text = path.read_text()
@@ -43,13 +44,18 @@ def diff_file(before: Path, after: Path, rel: str) -> str:
     return out
 
 
-def main(pin: str) -> None:
+def main(pin: str, src_root: Path | None = None, out_root: Path = OUT) -> None:
+    """Write ``out_root/<pin>/`` from the spec, against the pristine tree ``src_root`` (the directory that
+    holds ``sglang/``; default ``$SGLANG_SRC/<pin>``). Only the files the spec edits are read."""
     spec = importlib.import_module("spec_" + pin.replace(".", "_"))
+    src_root = src_root or SRC / pin
     work = Path(tempfile.mkdtemp(prefix=f"sglang-harden-gen-{pin}-"))
-    shutil.rmtree(work, ignore_errors=True)
     cur = work / "cur"
-    shutil.copytree(SRC / pin / "sglang", cur / "sglang", ignore=shutil.ignore_patterns("__pycache__"))
-    out = OUT / pin
+    for rel in sorted({rel for _, _, edits in spec.PATCHES for rel, _, _ in edits}):
+        if (src_root / rel).is_file():
+            (cur / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src_root / rel, cur / rel)
+    out = out_root / pin
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     series = []
@@ -71,6 +77,7 @@ def main(pin: str) -> None:
         f"# sglang-harden backport series for SGLang {pin}; apply in order with patch -p1\n"
         f"# in the directory that contains sglang/ (or: sglang-harden patch apply --pin {pin} --tree DIR)\n"
         + "\n".join(series) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
     print("wrote", out, series)
 
 

@@ -37,6 +37,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Dict, Optional, Tuple
 
@@ -234,7 +235,7 @@ async def _check_token(request: Any, handler: Any) -> Any:
     except asyncio.TimeoutError:
         logger.warning("pd_auth: %s %s from %s: body not received within %.0f s; refused", request.method,
                        request.path, request.remote, BODY_READ_TIMEOUT_S)
-        return await _answer_and_close(request, web.Response(status=408, text="request body too slow\n"))
+        return await answer_and_hang_up(request, web.Response(status=408, text="request body too slow\n"))
     reason = AUTH.refusal(request.method, request.raw_path, body, request.headers.get(HEADER))
     if reason is not None:
         logger.warning("pd_auth: %s %s %s from %s: %s", "refused" if AUTH.mode == "enforce" else "would refuse",
@@ -249,60 +250,15 @@ async def _check_token(request: Any, handler: Any) -> Any:
         return web.Response(status=400, text=f"malformed request ({type(exc).__name__})\n")
 
 
-async def _answer_and_close(request: Any, response: Any) -> Any:
-    """Answer and drop the connection (aiohttp would otherwise keep draining the unread body)."""
-    response.force_close()
-    await response.prepare(request)
-    await response.write_eof()
-    if request.transport is not None:
-        request.transport.close()
-    return response
+# <embed sglang_harden/compat/bootstrap_http.py>
 
 
 # ------------------------------------------------------------------ client side
 
 
-class _SignEach:
-    """``requests``' auth hook: signs each prepared request once its URL and body are final."""
-
-    def __call__(self, prepared: Any) -> Any:
-        prepared.headers.update(headers(prepared.method or "GET", prepared.path_url, prepared.body))
-        return prepared
-
-
-class SigningRequests(ModuleType):
-    """The ``requests`` module as ``common/conn.py`` sees it: every request and session it makes signs."""
-
-    def __init__(self, real: ModuleType) -> None:
-        super().__init__(real.__name__)
-        self._real = real
-        self._auth = _SignEach()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def request(self, method: str, url: str, **kwargs: Any) -> Any:
-        kwargs.setdefault("auth", self._auth)
-        return self._real.request(method, url, **kwargs)
-
-    def get(self, url: str, params: Any = None, **kwargs: Any) -> Any:
-        return self.request("GET", url, params=params, **kwargs)
-
-    def put(self, url: str, data: Any = None, **kwargs: Any) -> Any:
-        return self.request("PUT", url, data=data, **kwargs)
-
-    def post(self, url: str, data: Any = None, json: Any = None, **kwargs: Any) -> Any:
-        return self.request("POST", url, data=data, json=json, **kwargs)
-
-    def delete(self, url: str, **kwargs: Any) -> Any:
-        return self.request("DELETE", url, **kwargs)
-
-    def Session(self) -> Any:  # noqa: N802 - the name SGLang calls
-        session = self._real.Session()
-        session.auth = self._auth
-        return session
+# <embed sglang_harden/compat/signing_client.py>
 
 
 def signing(requests_module: ModuleType) -> ModuleType:
     """``requests`` itself when the control plane is unauthenticated, else a signing proxy of it."""
-    return SigningRequests(requests_module) if AUTH is not None else requests_module
+    return SigningRequests(requests_module, headers) if AUTH is not None else requests_module

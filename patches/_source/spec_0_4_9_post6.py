@@ -236,5 +236,6 @@ PATCHES = [
          ") = self.tp_worker.get_worker_info()\n"
          "        self._check_kv_pool_holds_context()  # sglang-harden backport\n"),
         (SCHED, "    def init_tokenizer(self):\n", CAPACITY_METHOD + "    def init_tokenizer(self):\n"),
+        (TOKENIZER, TOKENIZER_ANCHOR, TOKENIZER_CLAMP),
     ]),
 ]

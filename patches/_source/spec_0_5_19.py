@@ -112,6 +112,7 @@ PATCHES = [
          ") = self.tp_worker.get_worker_info()\n"
          "        self._check_kv_pool_holds_context()  # sglang-harden backport\n"),
         (SCHED, "    def init_model_worker(self):\n", CAPACITY_METHOD + "    def init_model_worker(self):\n"),
+        (TOKENIZER, TOKENIZER_ANCHOR, TOKENIZER_CLAMP),
     ]),
     ("authenticate-control-plane", H_AUTH, auth_edits()),
 ]

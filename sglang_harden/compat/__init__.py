@@ -99,6 +99,7 @@ def reconfigure() -> None:
 
 
 def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
+    _warn_if_page_tags_unarmed(family_hooks)
     enabled = [h for h in family_hooks if _owner_enabled(h.owner)]
     for hook in enabled:
         hooks.register(hook)
@@ -109,7 +110,17 @@ def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
 def _owner_enabled(owner: str) -> bool:
     if owner == "bootstrap_auth":
         return control_auth.configured()  # no secret: nothing to check tokens against, not armed
+    if owner == "page_tags" and RUNTIME.config.lifecycle is Mode.OFF:
+        return False  # the page ledger it reads is kept by the lifecycle guard's hooks: nothing to check against
     return owner not in GUARDS or RUNTIME.config.mode(owner) is not Mode.OFF
+
+
+def _warn_if_page_tags_unarmed(family_hooks: list[hooks.Hook]) -> None:
+    config = RUNTIME.config
+    has_tags = any(h.owner == "page_tags" for h in family_hooks)
+    if has_tags and config.page_tags is not Mode.OFF and config.lifecycle is Mode.OFF:
+        logger.warning("sglang-harden: page_tags is NOT armed: it checks pages against the page ledger that the "
+                       "lifecycle guard keeps, and --harden-lifecycle is off")
 
 
 def _check_control_auth(family_hooks: list[hooks.Hook]) -> None:

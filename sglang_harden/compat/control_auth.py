@@ -26,7 +26,9 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat import signing
+from sglang_harden.compat.bootstrap_http import answer_and_hang_up
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
+from sglang_harden.compat.signing_client import SigningRequests
 from sglang_harden.config import HardenConfig, Mode, bootstrap_auth_requested
 from sglang_harden.guards import bootstrap_auth
 from sglang_harden.guards.base import Decision
@@ -34,7 +36,6 @@ from sglang_harden.guards.base import Decision
 logger = logging.getLogger("sglang_harden")
 
 OPEN_PATHS = frozenset({"/health"})
-SIGNING_MARK = "__sglang_harden_signing__"
 RELOAD_EVERY_S = 1.0
 
 
@@ -182,7 +183,7 @@ def _token_middleware() -> Any:
         except TimeoutError:
             logger.warning("sglang-harden: %s %s from %s: body not received within %.0f s; refused",
                            request.method, request.path, request.remote, BODY_READ_TIMEOUT_S)
-            return await _answer_and_hang_up(request, web.Response(status=408, text="sglang-harden: request body "
+            return await answer_and_hang_up(request, web.Response(status=408, text="sglang-harden: request body "
                                                                    "too slow\n"))
         decision = auth.check(request.method, request.raw_path, body, request.headers.get(bootstrap_auth.HEADER))
         if events.record(decision, RUNTIME.config.bootstrap_auth, method=request.method, path=request.path,
@@ -196,17 +197,6 @@ def _token_middleware() -> Any:
             return web.Response(status=400, text=f"sglang-harden: malformed request ({type(exc).__name__})\n")
 
     return check_control_token
-
-
-async def _answer_and_hang_up(request: Any, response: Any) -> Any:
-    """Send ``response`` and close the connection at once (aiohttp would otherwise keep reading the unread body
-    for its lingering time, 10 s, with the connection held open)."""
-    response.force_close()
-    await response.prepare(request)
-    await response.write_eof()
-    if request.transport is not None:
-        request.transport.close()
-    return response
 
 
 # A control request's body arrives within this time or the request gets 408 (a stalled client must not hold a
@@ -227,59 +217,15 @@ def install_signing_client(module: ModuleType) -> None:
     import requests
 
     found = getattr(module, "requests", None)
-    if getattr(found, SIGNING_MARK, False):
+    if getattr(found, "signs_requests", False):
         return
     if found is not requests:
         from sglang_harden.compat.hooks import HookInstallError
 
         raise HookInstallError(f"{module.__name__}.requests: expected the requests module, found {found!r} "
                                "(is this SGLang pin supported? see `sglang-harden doctor`)")
-    module.requests = SigningRequests(requests)  # type: ignore[attr-defined]
+    module.requests = SigningRequests(requests, outgoing_headers)  # type: ignore[attr-defined]
 
 
 def signing_client_in_place(module: ModuleType | None) -> bool:
-    return module is not None and bool(getattr(getattr(module, "requests", None), SIGNING_MARK, False))
-
-
-class _SignEach:
-    """requests' auth hook: called with each prepared request, after its body and URL are final."""
-
-    def __call__(self, prepared: Any) -> Any:
-        auth = current()
-        if auth is not None:
-            prepared.headers.update(auth.headers(prepared.method or "GET", prepared.path_url, prepared.body))
-        return prepared
-
-
-class SigningRequests(ModuleType):
-    """The ``requests`` module as SGLang's bootstrap client sees it: every request and session signs."""
-
-    def __init__(self, real: ModuleType) -> None:
-        super().__init__(real.__name__)
-        self._real = real
-        self._auth = _SignEach()
-        setattr(self, SIGNING_MARK, True)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-    def request(self, method: str, url: str, **kwargs: Any) -> Any:
-        kwargs.setdefault("auth", self._auth)
-        return self._real.request(method, url, **kwargs)
-
-    def get(self, url: str, params: Any = None, **kwargs: Any) -> Any:
-        return self.request("GET", url, params=params, **kwargs)
-
-    def put(self, url: str, data: Any = None, **kwargs: Any) -> Any:
-        return self.request("PUT", url, data=data, **kwargs)
-
-    def post(self, url: str, data: Any = None, json: Any = None, **kwargs: Any) -> Any:
-        return self.request("POST", url, data=data, json=json, **kwargs)
-
-    def delete(self, url: str, **kwargs: Any) -> Any:
-        return self.request("DELETE", url, **kwargs)
-
-    def Session(self) -> Any:  # noqa: N802 - the name SGLang calls
-        session = self._real.Session()
-        session.auth = self._auth
-        return session
+    return module is not None and bool(getattr(getattr(module, "requests", None), "signs_requests", False))

@@ -222,7 +222,10 @@ class DecodeWatcher:
         while True:
             time.sleep(POLL_INTERVAL_S)
             for addr, entries in self._snapshot().items():
-                self._poll_addr(addr, entries)
+                try:
+                    self._poll_addr(addr, entries)
+                except Exception:  # noqa: BLE001 - a dead watcher would stop every later notice, silently
+                    logger.exception("sglang-harden: abort watcher pass for %s failed; polling on", addr)
 
     def _poll_addr(self, addr: str, entries: list[tuple[int, object]]) -> None:
         by_room = dict(entries)

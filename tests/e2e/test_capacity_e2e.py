@@ -2,7 +2,8 @@
 
 - vanilla starts and advertises 512 although no prompt over 250 tokens can ever run (the incident's setup);
 - hardened, default (enforce): the server exits non-zero, the log names both numbers and the fixing flags;
-- hardened, ``--harden-capacity clamp``: the server starts and advertises the context that fits (256).
+- hardened, ``--harden-capacity clamp``: the server starts and advertises the context that fits (256);
+- a patched copy of SGLang (``patches/<pin>``, plugin off) with ``SGLANG_HARDEN_CAPACITY=clamp``: the same.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from sglang_harden.testbed.client import http_json
 from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server, ServerError
 
 pytestmark = pytest.mark.e2e
@@ -21,6 +23,7 @@ pytestmark = pytest.mark.e2e
 PINS = list(load_pins())
 POOL, CONTEXT, FITTING = 256, 512, 256
 GATE_MESSAGE = "sglang-harden capacity gate: KV pool too small for the configured context"
+PATCHED_CLAMP_PIN = "0.5.23"  # the 0.5.19 series' gate runs in test_patched_incident.py (log mode)
 
 
 @pytest.fixture(scope="module", params=PINS)
@@ -71,3 +74,22 @@ def test_hardened_clamp_starts_with_the_context_that_fits(pin: str, tmp_path: An
         status, body = http_json("POST", server.url + "/generate", {
             "input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, timeout=60)
         assert status == 400, body
+
+
+def test_patched_clamp_starts_with_the_context_that_fits(pin: str, tmp_path: Any) -> None:
+    """The backport series' capacity gate means what the plugin's does: clamp starts with the context that fits,
+    advertises it, and refuses a longer prompt with 400."""
+    if pin != PATCHED_CLAMP_PIN:
+        pytest.skip(f"the patched clamp runs on {PATCHED_CLAMP_PIN}")
+    tree = patched_tree(pin, tmp_path / "tree")
+    env = {**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "clamp"}
+    with Server(pin, "mixed", max_total_tokens=POOL, context_length=CONTEXT, env=env,
+                launcher_module=VANILLA_LAUNCHER, log_dir=tmp_path, startup_timeout=900.0) as server:
+        assert _advertised_context(server) == FITTING
+        status, body = http_json("POST", server.url + "/generate", {
+            "input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}, timeout=60)
+        assert status == 400, body
+        log = server.log_text()
+    assert f"Clamping context_len {CONTEXT} -> {FITTING} (SGLANG_HARDEN_CAPACITY=clamp)" in log
+    assert f"advertised context {CONTEXT} -> {FITTING}" in log
+    assert "sglang-harden active" not in log

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import sys
 import urllib.error
 import urllib.request
@@ -34,7 +33,6 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.envs import require_env
 from sglang_harden.testbed.incident import (
     KVTRACE_ENV,
     WAITING_TIMEOUT_ENV,
@@ -42,10 +40,9 @@ from sglang_harden.testbed.incident import (
     RoundResult,
     run_round,
 )
-from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.server import SECRET_FILE_ENV, PDPair
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
-from sglang_harden.tools import patch as patch_tool
 
 pytestmark = pytest.mark.e2e
 
@@ -62,24 +59,6 @@ def _progress(msg: str) -> None:
     print(f"[patched-incident] {msg}", file=sys.stderr, flush=True)
 
 
-def _site_packages(pin: str) -> Path:
-    python = require_env(pin)
-    found = sorted(Path(python).parent.parent.glob("lib/python3*/site-packages"))
-    assert found and (found[0] / "sglang").is_dir(), f"no sglang in the {pin} venv"
-    return found[0]
-
-
-def patched_tree(pin: str, dest: Path) -> Path:
-    """A copy of the pin's installed ``sglang/`` with the pin's series applied (the plugin is not in it). The
-    venv's bytecode comes along (copytree keeps the sources' mtimes, so it stays valid; Python recompiles only
-    the patched files): without it each server compiled SGLang from source at start-up."""
-    shutil.copytree(_site_packages(pin) / "sglang", dest / "sglang")
-    report = patch_tool.apply_series(dest, pin)
-    assert report.ok, report.message
-    assert patch_tool.verify_series(dest, pin).ok
-    return dest
-
-
 def _secret_file(log_dir: Path) -> Path:
     path = log_dir / "bootstrap.secret"
     path.write_text(secrets.token_hex(32) + "\n")
@@ -91,7 +70,7 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
     env = {"SGLANG_HARDEN_ACTIVATE": "0"}
     prefill_flags = ["--allow-auto-truncate"] if variant == "patched-truncate" else []
     if tree is not None:
-        env.update({"PYTHONPATH": f"{tree}:{SHIMS_DIR}", "SGLANG_HARDEN_CAPACITY": "log"})
+        env.update({**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "log"})
     if variant == "patched":  # the series' control-plane authentication on, with a secret of this pair's own
         env[SECRET_FILE_ENV] = str(_secret_file(log_dir))
     elif variant == "patched-truncate":  # no secret (the testbed gives one to every server unless told otherwise)

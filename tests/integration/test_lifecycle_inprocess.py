@@ -30,7 +30,7 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_harden import events  # noqa: E402
 from sglang_harden.compat import activate, lifecycle_v05  # noqa: E402
-from sglang_harden.compat.lifecycle_v05 import DecodeNode, PrefillNode  # noqa: E402
+from sglang_harden.compat.lifecycle_nodes import DecodeNode, PrefillNode, owner_of_room  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
 from sglang_harden.guards.base import Verdict  # noqa: E402
@@ -213,7 +213,7 @@ def test_usual_free_reads_the_index_tensor_in_place(allocator: Any, monkeypatch:
     monkeypatch.setattr(lifecycle_v05, "_pages_of", _no_numpy_copy)
     allocator.free(torch.cat((transferred, generated)))
     assert allocator.available_size() == POOL and not node.transfers
-    assert not node.ledger.holds_pages(lifecycle_v05.owner_of_room(ROOM_B))
+    assert not node.ledger.holds_pages(owner_of_room(ROOM_B))
     untracked = allocator.alloc(5)
     allocator.free(untracked)  # none tracked: in place too
     assert allocator.available_size() == POOL

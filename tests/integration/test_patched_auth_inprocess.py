@@ -32,8 +32,7 @@ import pytest
 sglang = pytest.importorskip("sglang")
 requests = pytest.importorskip("requests")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from fuzz_strategies import bodies, fuzz_signed, fuzz_unsigned  # noqa: E402
 
 from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
 from sglang_harden.testbed.envs import REPO_ROOT  # noqa: E402
@@ -175,48 +174,18 @@ def test_ten_megabyte_body_is_refused(server: dict[str, Any]) -> None:
     assert answer.status_code == 413
 
 
-SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)
-           | st.text(max_size=20))
-FIELDS = [*registration(0), "room", "status_code", "message", "bootstrap_room"]
-BODIES = st.one_of(st.binary(max_size=2048),
-                   st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                                | st.dictionaries(st.text(max_size=12), inner, max_size=6),
-                                max_leaves=12).map(lambda v: json.dumps(v).encode()),
-                   st.fixed_dictionaries({}, optional={k: SCALARS for k in FIELDS}).map(
-                       lambda v: json.dumps(v).encode()))
-QUERIES = st.one_of(st.just(""), st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789=&,-_", max_size=40).map(
-    lambda q: "?" + q))
-TOKENS = st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=300),
-                   st.builds(lambda ts, n, m: f"sgh1.{ts}.{n}.{m}", st.integers(-5, 2**40),
-                             st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),
-                             st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)))
+BODIES = bodies([*registration(0), "room", "status_code", "message", "bootstrap_room"])
 
 
 @pytest.mark.parametrize("method,path", ROUTES)
 def test_fuzz_unsigned_and_forged(server: dict[str, Any], method: str, path: str) -> None:
-    before = _read_state(server["base"])
-
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(body=BODIES, query=QUERIES, token=TOKENS, verb=st.sampled_from([method, "POST", "DELETE", "PATCH"]))
-    def one(body: bytes, query: str, token: str | None, verb: str) -> None:
-        answer = _send(server["base"], verb, path + query, body, {} if token is None else {HEADER: token})
-        assert answer.status_code == 401, (answer.status_code, answer.text[:200])
-
-    one()
-    assert _read_state(server["base"]) == before, "refused requests changed the server's state"
-    assert _send(server["base"], "GET", "/health").status_code == 200
+    fuzz_unsigned(lambda verb, target, body, headers: _send(server["base"], verb, target, body, headers), method,
+                  path, BODIES, FUZZ_EXAMPLES, state=lambda: _read_state(server["base"]))
 
 
 @pytest.mark.parametrize("method,path", ROUTES)
 def test_fuzz_signed_malformed_bodies_get_4xx(server: dict[str, Any], method: str, path: str) -> None:
     """A secret holder sending garbage (a bug, or a compromised node): a 4xx or a 2xx, never a 5xx."""
-
-    @settings(max_examples=max(50, FUZZ_EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
-    @given(body=BODIES, query=QUERIES)
-    def one(body: bytes, query: str) -> None:
-        target = path + query
-        answer = _send(server["base"], method, target, body, _signed(method, target, body))
-        assert answer.status_code < 500, (answer.status_code, answer.text[:200])
-
-    one()
+    fuzz_signed(lambda verb, target, body, headers: _send(server["base"], verb, target, body, headers),
+                _signed, method, path, BODIES, max(50, FUZZ_EXAMPLES // 2))
     assert _send(server["base"], "GET", "/health").status_code == 200

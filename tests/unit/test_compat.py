@@ -231,3 +231,28 @@ def test_each_guard_installs_its_own_control_routes() -> None:
     assert _routes_added_by({"checksum"}) == digests
     assert _routes_added_by({"abort_notify"}) == aborts
     assert _routes_added_by({"abort_notify", "checksum"}) == digests | aborts
+
+
+def _tags_hook() -> object:
+    from sglang_harden.compat.hooks import Hook
+
+    return Hook("page_tags", "sglang_harden_test_never_imported", "Queue._commit", ("self",), lambda original: original)
+
+
+def test_page_tags_is_not_armed_without_the_lifecycle_ledger(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """page_tags checks pages against the ledger the lifecycle hooks keep: with lifecycle off it would check
+    nothing, so it is not reported armed, and start-up says why (issue 16)."""
+    from sglang_harden import compat
+    from sglang_harden.compat.runtime import RUNTIME
+    from sglang_harden.config import Mode
+
+    monkeypatch.setattr(RUNTIME, "armed", ())
+    _with_config(monkeypatch, lifecycle=Mode.OFF, page_tags=Mode.ENFORCE)
+    with caplog.at_level("WARNING", logger="sglang_harden"):
+        compat._register_enabled([_tags_hook()])
+    assert "page_tags" not in RUNTIME.armed
+    assert "page_tags is NOT armed" in caplog.text
+    _with_config(monkeypatch, lifecycle=Mode.ENFORCE, page_tags=Mode.ENFORCE)
+    compat._register_enabled([_tags_hook()])
+    assert "page_tags" in RUNTIME.armed

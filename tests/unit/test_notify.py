@@ -157,6 +157,28 @@ def test_only_this_host_may_post_aborts(remote: str | None, local: str | None, s
     assert notify.is_same_host(remote, local) is same
 
 
+def test_watcher_survives_a_failing_pass(bootstrap: str) -> None:
+    """A pass that raises (here the decode-side callback, once) is logged and the watcher polls on: a dead watcher
+    thread would leave decode deaf to every later notice."""
+    seen: list[notify.PeerAbort] = []
+
+    def on_abort(_receiver: object, abort: notify.PeerAbort) -> None:
+        if abort.room == 71:
+            raise RuntimeError("callback failed")
+        seen.append(abort)
+
+    watcher = notify.DecodeWatcher(on_abort)
+    receivers = [_Receiver(), _Receiver()]
+    watcher.watch(bootstrap, 71, receivers[0])
+    publisher = notify.Publisher(f"http://{bootstrap}")
+    publisher.publish(notify.PeerAbort(71, 500, "the pass that raises"))
+    time.sleep(3 * notify.POLL_INTERVAL_S)
+    watcher.watch(bootstrap, 72, receivers[1])
+    publisher.publish(notify.PeerAbort(72, 500, "heard after the failure"))
+    _wait_for(seen, 1)
+    assert [a.room for a in seen] == [72]
+
+
 def test_watcher_survives_unreachable_bootstrap() -> None:
     assert notify.fetch_aborts("127.0.0.1:9", [1, 2]) == []
 

@@ -427,3 +427,85 @@ def test_doctor_reads_the_patched_authentication(tmp_path: Path) -> None:
         data = doctor.report(tree, [], environ)
         row = next(p for p in data["protections"] if p["key"] == "bootstrap_auth")
         assert (row["verdict"], data["harden"]["control_plane_auth"]) == (verdict, auth), environ
+
+
+# ---------------------------------------------------------------- the patched capacity gate (no SGLang import)
+
+
+def _patched_methods(path: Path, class_name: str, names: set[str]) -> type:
+    """A stand-in class holding exactly the named methods of ``class_name`` from a patched file (its property
+    setter included), compiled from that file's own text."""
+    import ast
+    import logging
+    import textwrap
+
+    text = path.read_text()
+    lines = text.splitlines()
+    cls = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    chunks = []
+    for func in (f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name in names):
+        first = min([d.lineno for d in func.decorator_list] + [func.lineno]) - 1
+        chunks.append(textwrap.dedent("\n".join(lines[first:func.end_lineno])))
+    source = "class Standin:\n" + textwrap.indent("\n\n".join(chunks), "    ") + "\n"
+    namespace: dict[str, Any] = {"os": os, "logger": logging.getLogger("patched-under-test")}
+    exec(compile(source, str(path), "exec"), namespace)  # noqa: S102 - the patched file's own code
+    return namespace["Standin"]
+
+
+class _ModelConfig:
+    def __init__(self, context_len: int) -> None:
+        self.context_len = context_len
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_capacity_gate_modes(pin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool holds 256 tokens, the context is 512 (max_req_input_len 250): enforce refuses, log and off start
+    unchanged, clamp lowers the scheduler's context to 256 and the tokenizer manager's (advertised) to 256."""
+    tree = make_tree(pin, tmp_path)
+    P.apply_series(tree, pin)
+    scheduler_cls = _patched_methods(tree / "sglang/srt/managers/scheduler.py", "Scheduler",
+                                     {"_check_kv_pool_holds_context"})
+    tokenizer_cls = _patched_methods(tree / "sglang/srt/managers/tokenizer_manager.py", "TokenizerManager",
+                                     {"max_req_input_len"})
+
+    def scheduler(mode: str | None) -> Any:
+        if mode is None:
+            monkeypatch.delenv("SGLANG_HARDEN_CAPACITY", raising=False)
+        else:
+            monkeypatch.setenv("SGLANG_HARDEN_CAPACITY", mode)
+        node = scheduler_cls()
+        node.model_config, node.max_total_num_tokens, node.max_req_input_len = _ModelConfig(512), 256, 250
+        return node
+
+    with pytest.raises(RuntimeError, match="KV pool too small .* SGLANG_HARDEN_CAPACITY=clamp lowers"):
+        scheduler(None)._check_kv_pool_holds_context()
+    for mode, context in (("log", 512), ("off", 512), ("clamp", 256)):
+        node = scheduler(mode)
+        node._check_kv_pool_holds_context()
+        assert node.model_config.context_len == context, mode
+        manager = tokenizer_cls()
+        manager.model_config, manager.context_len = _ModelConfig(512), 512
+        manager.max_req_input_len = None
+        manager.max_req_input_len = 250
+        assert manager.max_req_input_len == 250
+        assert (manager.context_len, manager.model_config.context_len) == (context, context), mode
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_committed_series_is_what_the_sources_generate(pin: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``patches/<pin>`` is generated from ``patches/_source`` (the specs, the shared blocks, and the plugin's own
+    ``signing_client.py``, which the authentication patch embeds). A hand edit of a .patch file, or a change to
+    any source without regenerating, fails here: the plugin and the patches cannot drift apart."""
+    source_dir = PATCHES / "_source"
+    monkeypatch.syspath_prepend(str(source_dir))
+    spec = importlib.util.spec_from_file_location("patch_gen_under_test", source_dir / "gen.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    gen.main(pin, _pristine(pin), tmp_path)
+    generated = {p.name: p.read_text() for p in (tmp_path / pin).iterdir()}
+    committed = {p.name: p.read_text() for p in (PATCHES / pin).iterdir()}
+    assert sorted(generated) == sorted(committed)
+    stale = [name for name in generated if generated[name] != committed[name]]
+    assert not stale, f"regenerate with: python3 patches/_source/gen.py {pin}  (stale: {stale})"

@@ -1,0 +1,37 @@
+"""A pin's SGLang with its backport series applied, for servers the e2e tests start with the plugin off."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from sglang_harden.testbed.envs import require_env
+from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.tools import patch as patch_tool
+
+
+def site_packages(pin: str) -> Path:
+    python = require_env(pin)
+    found = sorted(Path(python).parent.parent.glob("lib/python3*/site-packages"))
+    if not found or not (found[0] / "sglang").is_dir():
+        raise FileNotFoundError(f"no sglang in the {pin} venv")
+    return found[0]
+
+
+def patched_tree(pin: str, dest: Path) -> Path:
+    """A copy of the pin's installed ``sglang/`` with the pin's series applied (the plugin is not in it). The
+    venv's bytecode comes along (copytree keeps the sources' mtimes, so it stays valid; Python recompiles only
+    the patched files): without it each server process compiled SGLang from source at start-up (these machines
+    set PYTHONDONTWRITEBYTECODE=1)."""
+    shutil.copytree(site_packages(pin) / "sglang", dest / "sglang")
+    report = patch_tool.apply_series(dest, pin)
+    if not report.ok:
+        raise RuntimeError(f"the {pin} series did not apply: {report.message}")
+    if not patch_tool.verify_series(dest, pin).ok:
+        raise RuntimeError(f"the {pin} series does not verify on {dest}")
+    return dest
+
+
+def patched_env(tree: Path) -> dict[str, str]:
+    """The environment of a server running ``tree``: the patched copy first, the plugin off."""
+    return {"SGLANG_HARDEN_ACTIVATE": "0", "PYTHONPATH": f"{tree}:{SHIMS_DIR}"}
