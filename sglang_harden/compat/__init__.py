@@ -110,15 +110,19 @@ def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
 def _owner_enabled(owner: str) -> bool:
     if owner == "bootstrap_auth":
         return control_auth.configured()  # no secret: nothing to check tokens against, not armed
-    if owner == "page_tags" and RUNTIME.config.lifecycle is Mode.OFF:
-        return False  # the page ledger it reads is kept by the lifecycle guard's hooks: nothing to check against
+    if owner == "page_tags" and _page_ledger_off():
+        return False
     return owner not in GUARDS or RUNTIME.config.mode(owner) is not Mode.OFF
 
 
+def _page_ledger_off() -> bool:
+    """page_tags reads the page ledger that the lifecycle guard's hooks keep: with lifecycle off, nothing to check."""
+    return RUNTIME.config.lifecycle is Mode.OFF
+
+
 def _warn_if_page_tags_unarmed(family_hooks: list[hooks.Hook]) -> None:
-    config = RUNTIME.config
     has_tags = any(h.owner == "page_tags" for h in family_hooks)
-    if has_tags and config.page_tags is not Mode.OFF and config.lifecycle is Mode.OFF:
+    if has_tags and RUNTIME.config.page_tags is not Mode.OFF and _page_ledger_off():
         logger.warning("sglang-harden: page_tags is NOT armed: it checks pages against the page ledger that the "
                        "lifecycle guard keeps, and --harden-lifecycle is off")
 

@@ -9,6 +9,8 @@ from sglang_harden.testbed.envs import require_env
 from sglang_harden.testbed.procenv import SHIMS_DIR
 from sglang_harden.tools import patch as patch_tool
 
+VERSION_FILES = ("sglang/_version.py", "sglang/version.py")
+
 
 def site_packages(pin: str) -> Path:
     python = require_env(pin)
@@ -16,6 +18,17 @@ def site_packages(pin: str) -> Path:
     if not found or not (found[0] / "sglang").is_dir():
         raise FileNotFoundError(f"no sglang in the {pin} venv")
     return found[0]
+
+
+def copy_series_files(pin: str, src_root: Path, dest: Path) -> Path:
+    """A minimal tree: the files the pin's series touches and the version files, copied from ``src_root`` (the
+    directory that holds ``sglang/``)."""
+    series = patch_tool.load_series(pin, patch_tool.default_patches_dir())
+    for rel in {*VERSION_FILES, *(target for patch in series for target in patch.targets)}:
+        if (src_root / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src_root / rel, dest / rel)
+    return dest
 
 
 def patched_tree(pin: str, dest: Path) -> Path:

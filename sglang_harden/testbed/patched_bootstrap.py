@@ -45,8 +45,9 @@ class PatchedFiles(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, candidate) if candidate.is_file() else None
 
 
-def _wait_healthy(base: str) -> None:
-    deadline = time.monotonic() + 30
+def wait_healthy(base: str, timeout_s: float = 30.0) -> None:
+    """Until a bootstrap server at ``base`` answers ``/health``; RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(base + "/health", timeout=1) as answer:
@@ -54,7 +55,7 @@ def _wait_healthy(base: str) -> None:
                     return
         except OSError:
             time.sleep(0.1)
-    raise SystemExit(f"the patched bootstrap server at {base} never answered /health")
+    raise RuntimeError(f"the bootstrap server at {base} never answered /health")
 
 
 def main(tree: Path, port: int) -> None:
@@ -64,7 +65,7 @@ def main(tree: Path, port: int) -> None:
     assert Path(conn.__file__).is_relative_to(tree), conn.__file__
     conn.CommonKVBootstrapServer("127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
-    _wait_healthy(base)
+    wait_healthy(base)
     registered = conn.requests.put(base + "/route", json=registration(17000), timeout=10)
     notice = json.dumps({"room": REJECTED_ROOM, "status_code": 400, "message": "too long"}).encode()
     posted = pd_rejections._put(base + pd_rejections.ROUTE, notice)

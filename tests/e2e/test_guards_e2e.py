@@ -43,6 +43,7 @@ from sglang_harden.testbed.incident import (
 )
 from sglang_harden.testbed.jsonl import read_folder
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV, late_writes
+from sglang_harden.testbed.patched_bootstrap import registration
 from sglang_harden.testbed.server import PDPair, Server
 from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
@@ -426,14 +427,11 @@ def _forged_control_requests(room: int) -> list[tuple[str, str, bytes]]:
     route table."""
     import json
 
-    registration = {"role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
-                    "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
-                    "system_dp_rank": 0, "rank_ip": "127.0.0.2", "rank_port": 1, "page_size": 1,
-                    "kv_cache_dtype": "auto"}
+    forged_rank = dict(registration(1), rank_ip="127.0.0.2")
     abort = {"room": room, "status_code": 400, "message": "forged", "sent_kv": False}
     digest = {"room": room, "rank": 0, "values": [0] * 8}
     return [
-        ("PUT", "/route", json.dumps(registration).encode()),
+        ("PUT", "/route", json.dumps(forged_rank).encode()),
         ("PUT", "/sglang_harden/abort", json.dumps(abort).encode()),
         ("PUT", "/sglang_harden/digest", json.dumps(digest).encode()),
         ("GET", f"/sglang_harden/digest_feed?rooms={room}", b""),

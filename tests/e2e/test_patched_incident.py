@@ -41,6 +41,7 @@ from sglang_harden.testbed.incident import (
     run_round,
 )
 from sglang_harden.testbed.patched import patched_env, patched_tree
+from sglang_harden.testbed.patched_bootstrap import registration
 from sglang_harden.testbed.server import SECRET_FILE_ENV, PDPair
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
@@ -103,11 +104,8 @@ def _attack(pair: PDPair) -> list[tuple[str, int]]:
     """An attacker without the secret, before the rounds: register itself as prefill's rank 0 (had it worked,
     decode would fetch KV from 127.0.0.2 and every round would fail), post a rejection notice for a room, read
     the notices and the rank table. Each (request, status)."""
-    registration = {"role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
-                    "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
-                    "system_dp_rank": 0, "rank_ip": "127.0.0.2", "rank_port": 1, "page_size": 1,
-                    "kv_cache_dtype": "auto"}
-    forged = [("PUT", "/route", json.dumps(registration).encode()),
+    forged_rank = dict(registration(1), rank_ip="127.0.0.2")
+    forged = [("PUT", "/route", json.dumps(forged_rank).encode()),
               ("PUT", "/pd_rejections", json.dumps({"room": 1, "status_code": 400, "message": "forged"}).encode()),
               ("GET", "/pd_rejections?rooms=1", b""),
               ("GET", "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0", b""),

@@ -35,6 +35,7 @@ from sglang_harden.compat import control_auth  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
 from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
+from sglang_harden.testbed.patched_bootstrap import registration, wait_healthy  # noqa: E402
 from sglang_harden.testbed.procs import free_port  # noqa: E402
 from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY  # noqa: E402
 
@@ -64,13 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     port = free_port()
     instance = conn.CommonKVBootstrapServer("127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except requests.RequestException:
-            time.sleep(0.1)
+    wait_healthy(base, timeout_s=20)
     yield {"base": base, "conn": conn, "server": instance, "file": secret_file}
     os.environ.pop("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", None)
 
@@ -79,13 +74,6 @@ def _state(instance: Any) -> str:
     """Everything the bootstrap server keeps about routes and ranks, as text."""
     kept = {k: v for k, v in vars(instance).items() if k not in STATE_SKIP and not callable(v)}
     return repr(sorted((k, repr(copy.copy(v))) for k, v in kept.items()))
-
-
-def _registration(port: int = 17000) -> dict[str, Any]:
-    return {"role": "Prefill", "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
-            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
-            "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": port, "page_size": 1,
-            "kv_cache_dtype": "auto", "load_balance_method": "round_robin"}
 
 
 def _signed_headers(method: str, target: str, body: bytes, secret: str = SECRET) -> dict[str, str]:
@@ -102,7 +90,7 @@ def _send(base: str, method: str, target: str, body: bytes = b"", headers: dict[
 @pytest.mark.parametrize("method,path", ROUTES)
 def test_unsigned_requests_are_refused_and_change_nothing(server: dict[str, Any], method: str, path: str) -> None:
     before = _state(server["server"])
-    body = json.dumps(_registration()).encode() if method != "GET" else b""
+    body = json.dumps(registration(17000)).encode() if method != "GET" else b""
     counts = events.snapshot()
     answer = _send(server["base"], method, path, body)
     assert answer.status_code == 401, answer.text
@@ -118,7 +106,7 @@ def test_health_stays_open(server: dict[str, Any]) -> None:
 def test_sglang_bootstrap_client_signs_and_is_served(server: dict[str, Any]) -> None:
     """The registration SGLang's prefill sends, through the ``requests`` name its bootstrap code uses."""
     before = _state(server["server"])
-    answer = server["conn"].requests.put(server["base"] + "/route", json=_registration(), timeout=10)
+    answer = server["conn"].requests.put(server["base"] + "/route", json=registration(17000), timeout=10)
     assert answer.status_code == 200, answer.text
     assert _state(server["server"]) != before, "the registration took effect"
     session = server["conn"].requests.Session()
@@ -206,7 +194,7 @@ def test_a_body_that_never_arrives_gets_408_and_the_connection_closes(server: di
     assert _state(server["server"]) == before
 
 
-BODIES = bodies(_registration())
+BODIES = bodies(registration(17000))
 
 
 @pytest.mark.parametrize("method,path", ROUTES)
@@ -219,7 +207,7 @@ def test_signed_registration_with_an_infinite_port_gets_400(server: dict[str, An
     """JSON's ``Infinity`` as the port SGLang's handler turns into an int (the fuzzer's find: ``int(inf)`` raised
     an OverflowError that the server answered with 500)."""
     before = _state(server["server"])
-    body = json.dumps({**_registration(), "rank_port": float("inf")}).encode()
+    body = json.dumps({**registration(17000), "rank_port": float("inf")}).encode()
     answer = _send(server["base"], "PUT", "/route", body, _signed_headers("PUT", "/route", body))
     assert answer.status_code == 400, (answer.status_code, answer.text[:200])
     assert _state(server["server"]) == before

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from fuzz_strategies import bodies, fuzz_signed, fuzz_unsigned  # noqa: E402
 
 from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
 from sglang_harden.testbed.envs import REPO_ROOT  # noqa: E402
+from sglang_harden.testbed.patched import copy_series_files  # noqa: E402
 from sglang_harden.testbed.patched_bootstrap import REJECTED_ROOM, registration  # noqa: E402
 from sglang_harden.testbed.procs import free_port  # noqa: E402
 from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY  # noqa: E402
@@ -46,7 +46,6 @@ OTHER = "q" * MIN_SECRET_CHARS
 FUZZ_EXAMPLES = max(50, int(os.environ.get("SGLANG_HARDEN_FUZZ_EXAMPLES", "1000")) // 5)
 ROUTES = [("PUT", "/route"), ("GET", "/route"), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks"),
           ("PUT", "/pd_rejections"), ("GET", "/pd_rejections")]
-VERSION_FILES = ("sglang/version.py", "sglang/_version.py")
 PIN = sglang.__version__
 
 pytestmark = pytest.mark.skipif(
@@ -58,12 +57,7 @@ pytestmark = pytest.mark.skipif(
 
 def _patched_files(dest: Path) -> Path:
     """The series' targets (and version files) copied from the venv's SGLang, then patched."""
-    site = Path(sglang.__file__).resolve().parent.parent
-    series = patch_tool.load_series(PIN, patch_tool.default_patches_dir())
-    for rel in {*VERSION_FILES, *(t for p in series for t in p.targets)}:
-        if (site / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(site / rel, dest / rel)
+    copy_series_files(PIN, Path(sglang.__file__).resolve().parent.parent, dest)
     report = patch_tool.apply_series(dest, PIN)
     assert report.ok, report.message
     return dest

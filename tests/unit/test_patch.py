@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
+from sglang_harden.testbed.patched import copy_series_files
 from sglang_harden.tools import patch as P
 
 HOME = Path(os.environ.get("SGLANG_HARDEN_HOME") or Path.home() / ".cache" / "sglang-harden")
 PATCHES = P.default_patches_dir()
 PINS = P.available_pins(PATCHES)
-VERSION_FILES = ("sglang/_version.py", "sglang/version.py")
 
 pytestmark = pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch not installed")
 
@@ -64,12 +64,7 @@ def _download(pin: str, dest: Path) -> Path:
 
 def make_tree(pin: str, dest: Path) -> Path:
     """A minimal pristine tree: the files the series touches and the version files, copied from the pin."""
-    src = _pristine(pin)
-    for rel in {*VERSION_FILES, *(t for p in P.load_series(pin, PATCHES) for t in p.targets)}:
-        if (src / rel).is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(src / rel, dest / rel)
-    return dest
+    return copy_series_files(pin, _pristine(pin), dest)
 
 
 def _digest(tree: Path) -> str:
