@@ -1,37 +1,38 @@
 """Shared patch text (headers and code blocks) for the 0.5.x series."""
 from pathlib import Path
 
-PD_REJECTIONS = (Path(__file__).resolve().parent / "pd_rejections.py").read_text()
-EMBED_MARK = "# ---- embedded in the backport series' pd_auth.py from here on\n"
+EMBED_MARK = "# ---- embedded in the backport series from here on\n"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _embedded(rel: str) -> str:
     """The part of an sglang-harden module below its embed mark (stdlib-only code the patches share with it)."""
-    text = (Path(__file__).resolve().parents[2] / rel).read_text()
+    text = (REPO / rel).read_text()
     return text.split(EMBED_MARK, 1)[1].strip() + "\n"
 
 
-EMBEDS = ("sglang_harden/compat/signing_client.py", "sglang_harden/compat/bootstrap_http.py")
-
-
-def _pd_auth() -> str:
-    """pd_auth.py with the plugin's own shared code put in at its ``# <embed FILE>`` lines."""
-    text = (Path(__file__).resolve().parent / "pd_auth.py").read_text()
-    for rel in EMBEDS:
+def with_embeds(name: str, embeds: tuple[str, ...]) -> str:
+    """``patches/_source/<name>`` with the plugin's own shared code put in at its ``# <embed FILE>`` lines."""
+    text = (Path(__file__).resolve().parent / name).read_text()
+    for rel in embeds:
         mark = f"# <embed {rel}>\n"
-        assert text.count(mark) == 1, f"pd_auth.py lost its embed mark for {rel}"
+        assert text.count(mark) == 1, f"{name} lost its embed mark for {rel}"
         text = text.replace(mark, f"# (from sglang-harden's {Path(rel).name}: the plugin runs the same code)\n"
                             + _embedded(rel))
+    assert "# <embed " not in text, f"{name} has an embed mark nobody fills"
     return text
 
 
-PD_AUTH = _pd_auth()
+PD_REJECTIONS = with_embeds("pd_rejections.py", ("sglang_harden/channels/abort_wire.py",))
+PD_COVERAGE = with_embeds("pd_coverage.py", ("sglang_harden/channels/coverage_wire.py",))
+PD_AUTH = with_embeds("pd_auth.py", ("sglang_harden/compat/signing_client.py", "sglang_harden/compat/bootstrap_http.py"))
 PREFILL = "sglang/srt/disaggregation/prefill.py"
 DECODE = "sglang/srt/disaggregation/decode.py"
 UTILS = "sglang/srt/disaggregation/utils.py"
 CONN = "sglang/srt/disaggregation/common/conn.py"
 NEWMOD = "sglang/srt/disaggregation/common/pd_rejections.py"
 AUTHMOD = "sglang/srt/disaggregation/common/pd_auth.py"
+COVMOD = "sglang/srt/disaggregation/common/pd_coverage.py"
 SCHED = "sglang/srt/managers/scheduler.py"
 TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
 
@@ -67,8 +68,9 @@ sglang-harden backport: coverage check (prefill publishes what it sent; decode v
 
 What: on the last chunk prefill writes into cached_tokens slot 15 of the request's metadata (spare in
 this release; slots 0-6 are used) the number of prompt tokens whose KV its transfer covers (end of the
-last sent range, decode's cached prefix included), tagged 0x5A in the top byte so an unwritten slot
-(0) reads as "not published". Decode, in _commit_transfer_to_req after the existing bootstrap-room
+last sent range, decode's cached prefix included), marked and tagged with the request's bootstrap room
+(new module common/pd_coverage.py, sglang-harden's own encoding) so that an unwritten slot (0) or a value
+left by another room reads as "not published". Decode, in _commit_transfer_to_req after the existing bootstrap-room
 check (which already binds the metadata row to this request), aborts the request with 500 unless that
 count equals the prompt length it reserved pages for.
 
@@ -166,29 +168,10 @@ DECODE_DOOR_CHECK = '''        if (
             return
 '''
 
-COVERAGE_UTILS = '''
-
-# sglang-harden backport: cached_tokens slot 15 (spare) carries how many prompt tokens of KV prefill sent,
-# tagged so that an unwritten slot (0) or a small upstream value never reads as a count.
-COVERAGE_SLOT = 15
-_COVERAGE_TAG = 0x5A << 24
-_COVERAGE_MASK = (1 << 24) - 1
-
-
-def encode_coverage(tokens: int) -> int:
-    if not 0 <= tokens <= _COVERAGE_MASK:
-        raise ValueError(f"coverage {tokens} does not fit 24 bits")
-    return _COVERAGE_TAG | tokens
-
-
-def decode_coverage(value: int) -> Optional[int]:
-    return value & _COVERAGE_MASK if value & ~_COVERAGE_MASK == _COVERAGE_TAG else None
-'''
-
 COVERAGE_PUBLISH = '''            # sglang-harden backport: publish how many prompt tokens this transfer covers.
             self.disagg_metadata_buffers.cached_tokens[req.metadata_buffer_index][
                 COVERAGE_SLOT
-            ] = encode_coverage(end_idx)
+            ] = encode_coverage(end_idx, req.bootstrap_room or 0)
 '''
 
 COVERAGE_CHECK_CALL = '''        if not _is_fake_transfer(decode_req.req) and not self._transfer_covers_prompt(
@@ -200,7 +183,9 @@ COVERAGE_CHECK_CALL = '''        if not _is_fake_transfer(decode_req.req) and no
 
 COVERAGE_CHECK_METHOD = '''    def _transfer_covers_prompt(self, decode_req: DecodeRequest, cached_tokens) -> bool:
         """sglang-harden backport: commit only if prefill sent KV for every token decode reserved."""
-        sent_tokens = decode_coverage(int(cached_tokens[COVERAGE_SLOT].item()))
+        sent_tokens = decode_coverage(
+            int(cached_tokens[COVERAGE_SLOT].item()), decode_req.req.bootstrap_room or 0
+        )
         reserved_tokens = len(decode_req.req.origin_input_ids)
         if sent_tokens is None and os.environ.get("SGLANG_PD_COVERAGE_ALLOW_UNPUBLISHED") == "1":
             return True
@@ -310,11 +295,7 @@ def auth_edits() -> list:
          '    signed = {"Content-Type": "application/json", **pd_auth.headers("PUT", ROUTE, body)}\n'
          '    request = urllib.request.Request(url, data=body, method="PUT", headers=signed)\n'),
         (NEWMOD,
-         '        url = f"http://{addr}{ROUTE}?rooms=" + ",".join(str(r) for r in rooms)\n'
-         "        try:\n"
-         "            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:\n",
-         '        target = f"{ROUTE}?rooms=" + ",".join(str(r) for r in rooms)\n'
-         '        url = urllib.request.Request(f"http://{addr}{target}", headers=pd_auth.headers("GET", target, b""))\n'
-         "        try:\n"
-         "            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:\n"),
+         '        url = f"http://{addr}" + rooms_target(rooms)\n',
+         "        target = rooms_target(rooms)\n"
+         '        url = urllib.request.Request(f"http://{addr}{target}", headers=pd_auth.headers("GET", target, b""))\n'),
     ]

@@ -5,8 +5,8 @@ prefill's pool, aborted before its final KV send), nothing in the KV transfer ev
 keeps the pages it reserved and waits for SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s by default), then
 answers 500. This module closes that gap through the bootstrap server decode already talks to:
 
-- prefill's scheduler PUTs ``{room, status_code, message}`` to ``/pd_rejections`` on its own bootstrap
-  server (background thread; a scheduler never blocks on it);
+- prefill's scheduler PUTs ``{room, status_code, message, sent_kv}`` to ``/pd_rejections`` on its own
+  bootstrap server (background thread; a scheduler never blocks on it; accepted from that host only);
 - decode's KV manager polls ``GET /pd_rejections?rooms=...`` for the rooms it still waits on and marks a
   rejected room Failed in its own status table, so the request leaves through SGLang's ordinary
   transfer-failure path (pages released, TP ranks agree through the usual poll all-reduce), answering
@@ -16,12 +16,15 @@ Why not the transfer backend's own failure message: a request rejected at prefil
 sender, decode's destination info may not even have reached prefill yet, and each backend (Mooncake,
 NIXL, ...) has its own wire format without room for a status or text. The bootstrap server is common to
 all backends and already serves decode over HTTP. Like the existing ``/route`` endpoint it is not
-authenticated unless ``pd_auth`` (the series' authentication patch) is applied too.
+authenticated unless ``pd_auth`` (the series' authentication patch) is applied too. The wire format is
+sglang-harden's own (its plugin runs the same code), so a patched prefill and a plugin decode understand each
+other, and the reverse.
 Env: SGLANG_PD_REJECTION_POLL_INTERVAL (seconds, default 0.25; 0 disables decode's poller).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -31,65 +34,16 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
-ROUTE = "/pd_rejections"
-BOARD_CAPACITY = 65536
-BOARD_TTL_S = 900.0
-MAX_ROOMS_PER_QUERY = 256
+# <embed sglang_harden/channels/abort_wire.py>
+
 HTTP_TIMEOUT_S = 2.0
 Verdict = Tuple[int, str]
-
-
-class RejectionBoard:
-    """Rooms prefill gave up on (bootstrap server process), bounded in count and age."""
-
-    def __init__(self, capacity: int = BOARD_CAPACITY, ttl_s: float = BOARD_TTL_S) -> None:
-        self._capacity, self._ttl_s = capacity, ttl_s
-        self._entries: "OrderedDict[int, Tuple[float, int, str]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def post(self, room: int, status_code: int, message: str) -> None:
-        with self._lock:
-            self._entries[room] = (time.monotonic(), status_code, message)
-            self._entries.move_to_end(room)
-            while len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
-
-    def lookup(self, rooms: List[int]) -> Dict[str, Dict[str, Any]]:
-        now = time.monotonic()
-        with self._lock:
-            while self._entries:
-                stamp = next(iter(self._entries.values()))[0]
-                if now - stamp < self._ttl_s:
-                    break
-                self._entries.popitem(last=False)
-            found = {r: self._entries[r] for r in rooms if r in self._entries}
-        return {str(r): {"status_code": s, "message": m} for r, (_, s, m) in found.items()}
-
-
-BOARD = RejectionBoard()
-
-
-def parse_post(data: Any) -> Tuple[int, int, str]:
-    """Validate a PUT body; raise ValueError on anything malformed."""
-    if not isinstance(data, dict):
-        raise ValueError("body must be a JSON object")
-    room, status, message = data.get("room"), data.get("status_code"), data.get("message")
-    if not isinstance(room, int) or not isinstance(status, int) or not isinstance(message, str):
-        raise ValueError("need integer room, integer status_code, string message")
-    if not 400 <= status <= 599:
-        raise ValueError("status_code must be an HTTP error status")
-    return room, status, message[:4096]
-
-
-def parse_rooms(raw: str) -> List[int]:
-    rooms = [int(part) for part in raw.split(",") if part.strip()]
-    if len(rooms) > MAX_ROOMS_PER_QUERY:
-        raise ValueError(f"at most {MAX_ROOMS_PER_QUERY} rooms per query")
-    return rooms
+BOARD = AbortBoard()
 
 
 def add_routes(app: Any) -> None:
@@ -97,19 +51,21 @@ def add_routes(app: Any) -> None:
     from aiohttp import web
 
     async def put(request: Any) -> Any:
+        sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+        if not is_same_host(request.remote, sockname[0] if sockname else None):
+            return web.json_response({"error": "rejections are accepted from this host only"}, status=403)
         try:
-            room, status, message = parse_post(json.loads(await request.read()))
+            BOARD.post(parse_notice(await request.read()))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        BOARD.post(room, status, message)
         return web.json_response({"ok": True})
 
     async def get(request: Any) -> Any:
         try:
-            rooms = parse_rooms(request.query.get("rooms", ""))
+            rooms = parse_rooms_query(request.query.get("rooms", ""))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.json_response({"rooms": BOARD.lookup(rooms)})
+        return web.json_response(board_answer(BOARD, rooms))
 
     app.router.add_put(ROUTE, put)
     app.router.add_get(ROUTE, get)
@@ -130,25 +86,24 @@ def abort_verdict(req: Any) -> Optional[Verdict]:
 class _Publisher:
     def __init__(self, base_url: str) -> None:
         self._url = base_url.rstrip("/") + ROUTE
-        self._queue: "queue.Queue[Tuple[int, int, str]]" = queue.Queue(maxsize=BOARD_CAPACITY)
+        self._queue: "queue.Queue[PeerAbort]" = queue.Queue(maxsize=BOARD_CAPACITY)
         threading.Thread(target=self._run, name="pd-rejection-publisher", daemon=True).start()
 
-    def publish(self, room: int, status: int, message: str) -> None:
+    def publish(self, abort: PeerAbort) -> None:
         try:
-            self._queue.put_nowait((room, status, message))
+            self._queue.put_nowait(abort)
         except queue.Full:
-            logger.error("pd_rejections: queue full, room %s not published", room)
+            logger.error("pd_rejections: queue full, room %s not published", abort.room)
 
     def _run(self) -> None:
         while True:
-            room, status, message = self._queue.get()
-            body = json.dumps({"room": room, "status_code": status, "message": message}).encode()
+            abort = self._queue.get()
             for attempt in range(5):
-                if _put(self._url, body):
+                if _put(self._url, notice_body(abort)):
                     break
                 time.sleep(0.2 * (attempt + 1))
             else:
-                logger.error("pd_rejections: could not publish room %s to %s", room, self._url)
+                logger.error("pd_rejections: could not publish room %s to %s", abort.room, self._url)
 
 
 def _put(url: str, body: bytes) -> bool:
@@ -165,8 +120,9 @@ _publishers: Dict[str, _Publisher] = {}
 _publishers_lock = threading.Lock()
 
 
-def publish(kv_manager: Any, req: Any) -> None:
-    """Tell decode (through this prefill's bootstrap server) that ``req``'s room is rejected."""
+def publish(kv_manager: Any, req: Any, sent_kv: bool = True) -> None:
+    """Tell decode (through this prefill's bootstrap server) that ``req``'s room is rejected; ``sent_kv``
+    False when no KV write was ever queued for it (refused at the door: decode may free its pages at once)."""
     verdict = abort_verdict(req)
     base_url = getattr(kv_manager, "bootstrap_base_url", None)
     room = getattr(req, "bootstrap_room", None)
@@ -174,7 +130,7 @@ def publish(kv_manager: Any, req: Any) -> None:
         return
     with _publishers_lock:
         publisher = _publishers.get(base_url) or _publishers.setdefault(base_url, _Publisher(base_url))
-    publisher.publish(int(room), verdict[0], verdict[1])
+    publisher.publish(PeerAbort(int(room), verdict[0], verdict[1][:MAX_MESSAGE_CHARS], sent_kv))
 
 
 # ------------------------------------------------------------------ decode side
@@ -219,15 +175,17 @@ class RejectionWatcher:
     def _query(self, addr: str, rooms: List[int]) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        url = f"http://{addr}{ROUTE}?rooms=" + ",".join(str(r) for r in rooms)
+        url = f"http://{addr}" + rooms_target(rooms)
         try:
             with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as response:
-                found = json.loads(response.read(1 << 20)).get("rooms", {})
-        except (urllib.error.URLError, OSError, ValueError, AttributeError) as exc:
+                found, malformed = parse_board_answer(json.loads(response.read(1 << 20)))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
             logger.debug("pd_rejections: query to %s failed: %s", addr, exc)
             return
-        for room_text, entry in found.items():
-            room, status, message = int(room_text), int(entry["status_code"]), str(entry["message"])
+        for entry in malformed:
+            logger.warning("pd_rejections: malformed entry from %s: %r", addr, entry)
+        for abort in found:
+            room, status, message = abort.room, abort.status_code, abort.message
             with self._lock:
                 self._verdicts[room] = (status, message)
                 while len(self._verdicts) > BOARD_CAPACITY:

@@ -203,7 +203,7 @@ PATCHES = [
          "from sglang.srt.disaggregation.utils import (\n    FAKE_BOOTSTRAP_HOST,\n"),
         (PREFILL, "        self.scheduler.stream_output([req], req.return_logprob)\n\n    def extend(",
          "        self.scheduler.stream_output([req], req.return_logprob)\n"
-         "        pd_rejections.publish(self.kv_manager, req)\n\n    def extend("),
+         "        pd_rejections.publish(self.kv_manager, req, sent_kv=False)\n\n    def extend("),
         (PREFILL, "            req.disagg_kv_sender.abort()\n\n    def send_kv_chunk(\n",
          "            req.disagg_kv_sender.abort()\n"
          "        pd_rejections.publish(self.disagg_prefill_bootstrap_queue.kv_manager, req)\n\n"

@@ -40,16 +40,16 @@ PATCHES = [
          "    def send_kv_chunk(\n"),
     ]),
     ("coverage-publish-and-check", H_COVERAGE, [
-        (UTILS, "\n\nclass MetadataBuffers:\n", COVERAGE_UTILS + "\n\nclass MetadataBuffers:\n"),
+        (COVMOD, None, PD_COVERAGE),
         (PREFILL, "from sglang.srt.environ import envs\n",
-         "from sglang.srt.disaggregation.utils import COVERAGE_SLOT, encode_coverage\n"
+         "from sglang.srt.disaggregation.common.pd_coverage import COVERAGE_SLOT, encode_coverage\n"
          "from sglang.srt.environ import envs\n"),
         (PREFILL,
          "        if last_chunk:\n            self.disagg_metadata_buffers.set_buf(req)\n",
          "        if last_chunk:\n            self.disagg_metadata_buffers.set_buf(req)\n" + COVERAGE_PUBLISH),
         (DECODE, "\nimport logging\n", "\nimport logging\nimport os\n"),
         (DECODE, "from sglang.srt.environ import envs\n",
-         "from sglang.srt.disaggregation.utils import COVERAGE_SLOT, decode_coverage\n"
+         "from sglang.srt.disaggregation.common.pd_coverage import COVERAGE_SLOT, decode_coverage\n"
          "from sglang.srt.environ import envs\n"),
         (DECODE,
          "        self._commit_hicache_local_restore_to_req(decode_req)\n",
@@ -78,7 +78,7 @@ PATCHES = [
          "from sglang.srt.disaggregation.common.conn import CommonKVManager\n"),
         (PREFILL, "        req.finished_reason, req.to_finish = reason, None\n",
          "        req.finished_reason, req.to_finish = reason, None\n"
-         "        pd_rejections.publish(self.kv_manager, req)\n"),
+         "        pd_rejections.publish(self.kv_manager, req, sent_kv=False)\n"),
         (PREFILL, "            req.disagg_kv_sender.abort()\n\n    def send_kv_chunk(\n",
          "            req.disagg_kv_sender.abort()\n"
          "        pd_rejections.publish(self.disagg_prefill_bootstrap_queue.kv_manager, req)\n\n"

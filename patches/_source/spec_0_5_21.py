@@ -11,7 +11,7 @@ notify_edits.append((
     PREFILL,
     "            self.scheduler.retire_unadmitted_request(req)\n            return\n",
     "            self.scheduler.retire_unadmitted_request(req)\n"
-    "            pd_rejections.publish(self.kv_manager, req)  # sglang-harden backport\n"
+    "            pd_rejections.publish(self.kv_manager, req, sent_kv=False)  # sglang-harden backport\n"
     "            return\n",
 ))
 notify_header = notify_header.replace(

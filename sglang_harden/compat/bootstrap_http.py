@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# ---- embedded in the backport series' pd_auth.py from here on
+# ---- embedded in the backport series from here on
 
 
 async def answer_and_hang_up(request: Any, response: Any) -> Any:

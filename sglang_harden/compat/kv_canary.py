@@ -2,7 +2,7 @@
 
 When decode tells prefill where to write a request's KV (the backend receiver's ``send_metadata``), it writes a
 fresh 64-bit marker into the first token row of each of those pages, in the first layer's K and the last
-layer's V (:func:`sglang_harden.guards.canary.stamp`), before the indices leave. A transfer writes whole pages,
+layer's V (:func:`stamp`), before the indices leave. A transfer writes whole pages,
 so every page it wrote has lost its marker; before commit (``_commit_transfer_to_req``) a page still carrying
 its marker was never written, and the request is aborted instead of attending over a previous owner's KV.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import canary
 from sglang_harden.guards.base import Decision, Verdict
+from sglang_harden.kernels.digest_spec import MASK64, to_signed64
 
 logger = logging.getLogger("sglang_harden")
 
@@ -84,7 +85,7 @@ def _stamp(room: int, pages: list[int], pool: Any) -> None:
     if STAMPS.has(room):
         return
     marker = canary.new_marker(str(room))
-    canary.stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
+    stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
     STAMPS.add(room, Stamp(marker, tuple(pages)))
 
 
@@ -118,7 +119,58 @@ def _local_decision(rid: str, room: Any) -> Decision:
         reason = f"request {rid}: no canary stamp recorded for room {room}; refusing to decode unverified pages"
         return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid, "room": room})
     try:
-        return canary.check_stamps(rid, canary_buffers(pool), stamp.pages, int(pool.page_size), stamp.marker)
+        return check_stamps(rid, canary_buffers(pool), stamp.pages, int(pool.page_size), stamp.marker)
     except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
         reason = f"request {rid}: canary check failed ({exc!r}); refusing to decode unverified pages"
         return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid})
+
+
+# ------------------------------------------------------------------------- the stamps in torch tensors
+
+
+def _marker_column(buffer: Any) -> Any:
+    """The first 8 bytes of every token row of ``buffer`` (``[slots, heads, dim]``) as one int64 column."""
+    import torch
+
+    rows = buffer.view(torch.uint8).reshape(buffer.shape[0], -1)
+    if rows.shape[1] < 8:
+        raise ValueError("a token row must hold at least 8 bytes to carry a canary stamp")
+    return rows[:, :8].view(torch.int64).squeeze(1)
+
+
+def stamp(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int, synchronize: bool = True) -> None:
+    """Write ``marker`` into the fixed slot of each reserved page, in every buffer of ``buffers``.
+
+    Call at reservation, before the page indices reach the sender; ``synchronize`` waits for the device.
+    """
+    import torch
+
+    for buffer in buffers:
+        column = _marker_column(buffer)
+        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
+        column.index_fill_(0, idx, to_signed64(marker))
+    if synchronize and buffers and buffers[0].is_cuda:
+        torch.cuda.synchronize(buffers[0].device)
+
+
+def still_stamped(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int) -> list[int]:
+    """Positions (into ``slots``) whose fixed slot still holds ``marker`` in any of ``buffers``."""
+    import torch
+
+    hit = None
+    for buffer in buffers:
+        column = _marker_column(buffer)
+        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
+        same = column.index_select(0, idx) == to_signed64(marker)
+        hit = same if hit is None else hit | same
+    if hit is None:
+        return []
+    return torch.nonzero(hit).flatten().tolist()
+
+
+def check_stamps(
+    rid: str, buffers: Sequence[Any], pages: Sequence[int], page_size: int, marker: int, first_offset: int = 0
+) -> Decision:
+    """The commit decision from the stamps alone."""
+    positions = still_stamped(buffers, canary.stamp_slots(pages, page_size, first_offset), marker & MASK64)
+    return canary.decide_commit(rid, pages, [pages[i] for i in positions])

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from sglang_harden import events
@@ -306,7 +307,7 @@ def agree_on_group(queue: Any, local: Decision, rid: str) -> Decision:
     group = getattr(queue, "gloo_group", None)
     if group is None or _world_size(group) <= 1:
         return local
-    transport = checksum.TorchGroupTransport(group)
+    transport = TorchGroupTransport(group)
     return checksum.agree_across_ranks([local], transport, AGREE_TIMEOUT_S, [rid])[0]
 
 
@@ -314,3 +315,36 @@ def _world_size(group: Any) -> int:
     import torch.distributed as dist
 
     return int(dist.get_world_size(group)) if dist.is_initialized() else 1
+
+
+@dataclass
+class TorchGroupTransport:
+    """``all_gather`` of int32 codes over a torch.distributed (gloo) group, waited on with a timeout.
+
+    A peer that died makes gloo raise; one that stalls makes the wait time out; both read as missing ranks.
+    After either, the group is broken for later collectives: the caller must treat the failure as fatal
+    for the group, as SGLang does for any failed TP collective.
+    """
+
+    group: Any = None
+    rank: int = -1
+    world_size: int = -1
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def exchange(self, codes: list[int], timeout_s: float) -> list[list[int] | None]:
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor(codes or [checksum.CODE_ALLOW], dtype=torch.int32)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            work = dist.all_gather(out, mine, group=self.group, async_op=True)
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - timeout or dead peer: everyone else is missing
+            return [codes if r == self.rank else None for r in range(self.world_size)]
+        return [t.tolist()[: len(codes)] for t in out]

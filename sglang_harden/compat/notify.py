@@ -1,11 +1,9 @@
 """The abort side channel: prefill tells decode, through prefill's bootstrap server, that a room is dead.
 
 Upstream has no prefill->decode abort message for a room that never sent KV (a rejected request never gets
-a sender), so decode waits for its waiting timeout holding pages. We add two routes to the bootstrap server
-that decode already talks to:
-
-- ``PUT  /sglang_harden/abort``          prefill posts ``{room, status_code, message}``
-- ``GET  /sglang_harden/aborts?rooms=…``  decode asks about the rooms it is waiting on
+a sender), so decode waits for its waiting timeout holding pages. The notices use the wire format of
+``channels/abort_wire.py`` (``/pd_rejections``), the same as the backport series', so a patched prefill
+notifies a plugin decode and the reverse.
 
 Decode polls from a background thread and marks a hit room failed in its own KV manager, so the request
 leaves through SGLang's normal transfer-failure path on every TP rank alike (ranks all-reduce their polls).
@@ -22,119 +20,35 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from sglang_harden.channels import abort_wire
+from sglang_harden.channels.abort_wire import (  # noqa: F401 - this module's public names
+    BOARD_CAPACITY,
+    MAX_ROOMS_PER_QUERY,
+    AbortBoard,
+    PeerAbort,
+    is_same_host,
+    parse_rooms_query,
+)
 from sglang_harden.compat import signing
 
 logger = logging.getLogger("sglang_harden")
 
-ABORT_PATH = "/sglang_harden/abort"
-ABORTS_PATH = "/sglang_harden/aborts"
-BOARD_CAPACITY = 65536
-BOARD_TTL_S = 900.0
+ROUTE = abort_wire.ROUTE
 POLL_INTERVAL_S = 0.2
 HTTP_TIMEOUT_S = 2.0
-MAX_ROOMS_PER_QUERY = 256
-
-
-@dataclass(frozen=True)
-class PeerAbort:
-    """Prefill gave up on ``room``. ``sent_kv`` False means prefill never queued a KV write for the room (it was
-    refused before its sender existed), so decode may free the room's pages at once instead of quarantining."""
-
-    room: int
-    status_code: int
-    message: str
-    sent_kv: bool = True
-
-
-class AbortBoard:
-    """Rooms prefill gave up on, kept for a bounded time and count (oldest dropped first)."""
-
-    def __init__(self, capacity: int = BOARD_CAPACITY, ttl_s: float = BOARD_TTL_S) -> None:
-        self._capacity = capacity
-        self._ttl_s = ttl_s
-        self._entries: OrderedDict[int, tuple[float, PeerAbort]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def post(self, abort: PeerAbort) -> None:
-        """The first word on a room stands (the door's "never sent" is not overwritten by a later retirement)."""
-        with self._lock:
-            if abort.room in self._entries:
-                return
-            self._entries[abort.room] = (time.monotonic(), abort)
-            while len(self._entries) > self._capacity:
-                self._entries.popitem(last=False)
-
-    def lookup(self, rooms: list[int]) -> list[PeerAbort]:
-        now = time.monotonic()
-        with self._lock:
-            self._expire(now)
-            return [self._entries[r][1] for r in rooms if r in self._entries]
-
-    def _expire(self, now: float) -> None:
-        while self._entries:
-            room, (stamp, _) = next(iter(self._entries.items()))
-            if now - stamp < self._ttl_s:
-                return
-            del self._entries[room]
-
 
 BOARD = AbortBoard()
 
 
 def parse_abort_body(body: bytes) -> PeerAbort:
     """Validate a PUT body; raise ValueError with a short reason on anything malformed."""
-    data = json.loads(body)
-    if not isinstance(data, dict):
-        raise ValueError("body must be a JSON object")
-    room, status, message = data.get("room"), data.get("status_code"), data.get("message")
-    if not isinstance(room, int) or not isinstance(status, int) or not isinstance(message, str):
-        raise ValueError("need integer room, integer status_code, string message")
-    if not 400 <= status <= 599:
-        raise ValueError("status_code must be an HTTP error status")
-    sent_kv = data.get("sent_kv", True)
-    if not isinstance(sent_kv, bool):
-        raise ValueError("sent_kv must be a boolean")
-    return PeerAbort(room, status, message[:4096], sent_kv)
-
-
-def is_same_host(remote: str | None, local: str | None) -> bool:
-    """Whether an HTTP peer is this host: a loopback address, or the very address the server answered on
-    (prefill's schedulers post to their own bootstrap server, whichever address it binds)."""
-    import ipaddress
-
-    if not remote:
-        return False
-    try:
-        peer = ipaddress.ip_address(remote.split("%")[0])
-    except ValueError:
-        return False
-    if peer.is_loopback:
-        return True
-    try:
-        return local is not None and peer == ipaddress.ip_address(local.split("%")[0])
-    except ValueError:
-        return False
-
-
-def parse_rooms_query(raw: str) -> list[int]:
-    rooms = [int(part) for part in raw.split(",") if part.strip()]
-    if len(rooms) > MAX_ROOMS_PER_QUERY:
-        raise ValueError(f"at most {MAX_ROOMS_PER_QUERY} rooms per query")
-    return rooms
+    return abort_wire.parse_notice(body)
 
 
 def aborts_payload(rooms: list[int], board: AbortBoard | None = None) -> dict[str, object]:
-    board = board or BOARD
-    return {
-        "aborts": {
-            str(a.room): {"status_code": a.status_code, "message": a.message, "sent_kv": a.sent_kv}
-            for a in board.lookup(rooms)
-        }
-    }
+    return abort_wire.board_answer(board or BOARD, rooms)
 
 
 class Publisher:
@@ -158,14 +72,12 @@ class Publisher:
             self._post_with_retries(abort)
 
     def _post_with_retries(self, abort: PeerAbort) -> None:
-        body = json.dumps(
-            {"room": abort.room, "status_code": abort.status_code, "message": abort.message, "sent_kv": abort.sent_kv}
-        )
+        body = abort_wire.notice_body(abort)
         for attempt in range(5):
             try:
                 request = urllib.request.Request(
-                    self._base_url + ABORT_PATH, data=body.encode(), method="PUT",
-                    headers={"Content-Type": "application/json", **_signed("PUT", ABORT_PATH, body.encode())},
+                    self._base_url + ROUTE, data=body, method="PUT",
+                    headers={"Content-Type": "application/json", **_signed("PUT", ROUTE, body)},
                 )
                 with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
                     if response.status == 200:
@@ -248,7 +160,7 @@ def _concluded(receiver: object) -> bool:
 
 
 def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
-    target = f"{ABORTS_PATH}?rooms=" + ",".join(str(r) for r in rooms)
+    target = abort_wire.rooms_target(rooms)
     request = urllib.request.Request(f"http://{addr}{target}", headers=_signed("GET", target, b""))
     try:
         with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
@@ -256,14 +168,9 @@ def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         logger.debug("sglang-harden: abort query to %s failed: %s", addr, exc)
         return []
-    aborts = data.get("aborts", {}) if isinstance(data, dict) else {}
-    found = []
-    for room_text, entry in aborts.items():
-        try:
-            sent_kv = entry.get("sent_kv", True) is not False  # anything but an explicit False: may have sent
-            found.append(PeerAbort(int(room_text), int(entry["status_code"]), str(entry["message"]), sent_kv))
-        except (KeyError, TypeError, ValueError):
-            logger.warning("sglang-harden: malformed abort entry from %s: %r", addr, entry)
+    found, malformed = abort_wire.parse_board_answer(data)
+    for entry in malformed:
+        logger.warning("sglang-harden: malformed abort entry from %s: %r", addr, entry)
     return found
 
 

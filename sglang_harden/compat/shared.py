@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_harden import events
+from sglang_harden.channels import abort_wire
 from sglang_harden.compat import digest_channel, notify
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode, Mode
@@ -149,9 +150,10 @@ def role_of(scheduler: Any) -> str:
 
 
 def abort_routes(original: Func) -> Func:
-    """``<BootstrapServer>._setup_routes``: the abort board (abort_notify's)."""
-    return _with_routes(original, lambda: [("PUT", notify.ABORT_PATH, handle_abort_put),
-                                           ("GET", notify.ABORTS_PATH, handle_aborts_get)])
+    """``<BootstrapServer>._setup_routes``: the abort board (abort_notify's). On a tree whose backport series
+    already serves ``/pd_rejections`` (same wire format), the patched routes stay and ours are not added."""
+    return _with_routes(original, lambda: [("PUT", notify.ROUTE, handle_abort_put),
+                                           ("GET", notify.ROUTE, handle_aborts_get)])
 
 
 def digest_routes(original: Func) -> Func:
@@ -165,16 +167,27 @@ def digest_routes(original: Func) -> Func:
 def _with_routes(original: Func, routes: Callable[[], list[tuple[str, str, Any]]]) -> Func:
     def setup_routes(self: Any) -> Any:
         result = original(self)
+        taken = _routes_served(self.app)
         for method, path, handler in routes():
-            self.app.router.add_route(method, path, handler)
+            if (method, path) not in taken:
+                self.app.router.add_route(method, path, handler)
         return result
 
     return setup_routes
 
 
+def _routes_served(app: Any) -> set[tuple[str, str]]:
+    served = set()
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        served.add((route.method, info.get("path") or info.get("formatter") or ""))
+    return served
+
+
 async def handle_abort_put(request: Any) -> Any:
     """Only the prefill node's own processes post aborts (same host); anyone else gets 403."""
-    return await _accept_from_this_host(request, "aborts", 64 * 1024, notify.parse_abort_body, notify.BOARD.post)
+    return await _accept_from_this_host(request, "aborts", abort_wire.MAX_NOTICE_BYTES,
+                                        notify.parse_abort_body, notify.BOARD.post)
 
 
 def _from_this_host(request: Any) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-# ---- embedded in the backport series' pd_auth.py from here on
+# ---- embedded in the backport series from here on
 
 HeaderSource = Callable[[str, str, Any], dict[str, str]]
 

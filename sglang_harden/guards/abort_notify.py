@@ -5,8 +5,8 @@ aborts that request promptly (seconds, not its waiting timeout) and its pages le
 the free list if no write can still land (nothing was in flight, or the writer confirmed it drained), into
 quarantine otherwise.
 
-The notices travel over prefill's bootstrap server (``compat/notify.py``: JSON at ``/sglang_harden/abort``);
-this module only decides.
+The notices travel over prefill's bootstrap server (``channels/abort_wire.py``: JSON at ``/pd_rejections``, the
+backport series' format too); this module only decides.
 """
 
 from __future__ import annotations

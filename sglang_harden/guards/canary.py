@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from sglang_harden.guards.base import Decision, Verdict, allow
-from sglang_harden.kernels.digest_spec import MASK64, mix64, to_signed64
+from sglang_harden.kernels.digest_spec import mix64
 
 GUARD = "canary"
 ABORT_STATUS = 500
@@ -77,57 +76,6 @@ def decide_commit(rid: str, reserved_pages: Sequence[int], unwritten_pages: Iter
     )
 
 
-# --------------------------------------------------------------------------------------- torch helpers
-
-
 def stamp_slots(pages: Sequence[int], page_size: int, first_offset: int = 0) -> list[int]:
     """The token slot stamped in each page: its first sent token (``first_offset`` in the first page)."""
     return [page * page_size + (first_offset if i == 0 else 0) for i, page in enumerate(pages)]
-
-
-def _marker_column(buffer: Any) -> Any:
-    """The first 8 bytes of every token row of ``buffer`` (``[slots, heads, dim]``) as one int64 column."""
-    import torch
-
-    rows = buffer.view(torch.uint8).reshape(buffer.shape[0], -1)
-    if rows.shape[1] < 8:
-        raise ValueError("a token row must hold at least 8 bytes to carry a canary stamp")
-    return rows[:, :8].view(torch.int64).squeeze(1)
-
-
-def stamp(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int, synchronize: bool = True) -> None:
-    """Write ``marker`` into the fixed slot of each reserved page, in every buffer of ``buffers``.
-
-    Call at reservation, before the page indices reach the sender; ``synchronize`` waits for the device.
-    """
-    import torch
-
-    for buffer in buffers:
-        column = _marker_column(buffer)
-        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
-        column.index_fill_(0, idx, to_signed64(marker))
-    if synchronize and buffers and buffers[0].is_cuda:
-        torch.cuda.synchronize(buffers[0].device)
-
-
-def still_stamped(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int) -> list[int]:
-    """Positions (into ``slots``) whose fixed slot still holds ``marker`` in any of ``buffers``."""
-    import torch
-
-    hit = None
-    for buffer in buffers:
-        column = _marker_column(buffer)
-        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
-        same = column.index_select(0, idx) == to_signed64(marker)
-        hit = same if hit is None else hit | same
-    if hit is None:
-        return []
-    return torch.nonzero(hit).flatten().tolist()
-
-
-def check_stamps(
-    rid: str, buffers: Sequence[Any], pages: Sequence[int], page_size: int, marker: int, first_offset: int = 0
-) -> Decision:
-    """The commit decision from the stamps alone."""
-    positions = still_stamped(buffers, stamp_slots(pages, page_size, first_offset), marker & MASK64)
-    return decide_commit(rid, pages, [pages[i] for i in positions])

@@ -24,7 +24,7 @@ says its digest failed, leaves the guard unable to decide: that is an ABORT (fai
 
 Agreement (:func:`agree`): the logical OR of "abort" over ranks, with a missing rank = abort. In the real
 integration each rank exchanges one small int per committing request over the group's CPU (gloo) group
-(:class:`TorchGroupTransport`, an ``all_gather`` waited on with a timeout) before commit, so no rank can
+(``compat/kv_digest.TorchGroupTransport``, an ``all_gather`` waited on with a timeout) before commit, so no rank can
 generate while another aborts, and a mismatch cannot strand peers in a collective (upstream's checksum
 ``#39729``). :class:`QueueTransport` does the same over multiprocessing queues (tests, no torch).
 
@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Protocol
 
 from sglang_harden.guards.base import Decision, Verdict, allow
@@ -254,39 +252,6 @@ def agree_across_ranks(
                 per_rank.append(decision_from_code(code, rank, names[i]))
         agreed.append(agree(per_rank, names[i]))
     return agreed
-
-
-@dataclass
-class TorchGroupTransport:
-    """``all_gather`` of int32 codes over a torch.distributed (gloo) group, waited on with a timeout.
-
-    A peer that died makes gloo raise; one that stalls makes the wait time out; both read as missing ranks.
-    After either, the group is broken for later collectives: the caller must treat the failure as fatal
-    for the group, as SGLang does for any failed TP collective.
-    """
-
-    group: Any = None
-    rank: int = -1
-    world_size: int = -1
-
-    def __post_init__(self) -> None:
-        import torch.distributed as dist
-
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-
-    def exchange(self, codes: list[int], timeout_s: float) -> list[list[int] | None]:
-        import torch
-        import torch.distributed as dist
-
-        mine = torch.tensor(codes or [CODE_ALLOW], dtype=torch.int32)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        try:
-            work = dist.all_gather(out, mine, group=self.group, async_op=True)
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception:  # noqa: BLE001 - timeout or dead peer: everyone else is missing
-            return [codes if r == self.rank else None for r in range(self.world_size)]
-        return [t.tolist()[: len(codes)] for t in out]
 
 
 class QueueTransport:

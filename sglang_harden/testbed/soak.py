@@ -324,7 +324,7 @@ def send(target: Target, body: dict[str, Any], timeout: float, room: int | None 
 
 
 ROUTE_TABLE_QUERY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
-FORGED_ROUTES = ("PUT /sglang_harden/abort", "PUT /sglang_harden/digest", "GET /sglang_harden/digest_feed",
+FORGED_ROUTES = ("PUT /pd_rejections", "PUT /sglang_harden/digest", "GET /sglang_harden/digest_feed",
                  "GET /sglang_harden/aborts", "GET /route")
 
 
@@ -333,9 +333,9 @@ def forge_control_requests(port: int, room: int) -> list[tuple[str, int]]:
     changes a vanilla server's routes: the writes go to sglang-harden's routes, which vanilla has not got."""
     abort = {"room": room, "status_code": 400, "message": "forged by the soak", "sent_kv": False}
     digest = {"room": room, "rank": 0, "values": [0] * 8}
-    calls = [("PUT", "/sglang_harden/abort", abort), ("PUT", "/sglang_harden/digest", digest),
+    calls = [("PUT", "/pd_rejections", abort), ("PUT", "/sglang_harden/digest", digest),
              ("GET", "/sglang_harden/digest_feed?since=0&epoch=&wait_ms=0", None),
-             ("GET", f"/sglang_harden/aborts?rooms={room}", None), ("GET", ROUTE_TABLE_QUERY, None)]
+             ("GET", f"/pd_rejections?rooms={room}", None), ("GET", ROUTE_TABLE_QUERY, None)]
     out = []
     for (method, target, body), route in zip(calls, FORGED_ROUTES, strict=True):
         try:

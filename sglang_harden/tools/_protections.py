@@ -455,7 +455,14 @@ def detect_transfer_batch_bound(tree: SourceTree) -> Native:
 _NOTIFY_RE = re.compile(r"notify|sync_status|send_multipart|status_to_decode|send_kv_status", re.I)
 
 
+_REJECTIONS_RE = re.compile(r"reject|abort", re.I)
+
+
 def detect_decode_abort_notify(tree: SourceTree) -> Native:
+    channel = _rejection_channel(tree)
+    if channel is not None:
+        return Native(YES, "prefill posts its rejections and aborts to its bootstrap server, decode polls them "
+                      "(sglang-harden's /pd_rejections)", channel)
     aborts = _unique(tree.function(m, f"{c}.abort") for m, c in _sender_classes(tree))
     if not aborts:
         return Native(UNKNOWN, "no KV sender abort() found")
@@ -503,11 +510,35 @@ BACKPORT_SECRET_ENV = "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"
 def _auth_module_call(ref: FuncRef) -> str | None:
     """``<module>.<fn>(self.app)`` where the module's name says authentication (the backport's
     ``pd_auth.protect(self.app)``): the app's middlewares are set up outside this file."""
+    return _module_call_on_app(ref, _AUTH_RE)
+
+
+def _module_call_on_app(ref: FuncRef, module_name: re.Pattern[str]) -> str | None:
     for call in calls(ref.node):
         func = call.func
-        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and _AUTH_RE.search(func.value.id)
+        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and module_name.search(func.value.id)
                 and any("app" in attr_loads(arg) for arg in call.args)):
             return f"{func.value.id}.{func.attr}(...)"
+    return None
+
+
+_CHANNEL_HOSTS = (("common", "CommonKVBootstrapServer", "CommonKVManager"),
+                  ("mooncake", "MooncakeKVBootstrapServer", "MooncakeKVManager"))  # 0.4.9: Mooncake's own server
+
+
+def _rejection_channel(tree: SourceTree) -> list[str] | None:
+    """The backport's notice channel: a bootstrap server's ``_setup_routes`` adds a rejections module's routes
+    (``pd_rejections.add_routes(self.app)``) and the KV manager beside it starts that module's watcher."""
+    for package, server, manager_class in _CHANNEL_HOSTS:
+        module = f"{SRT}.disaggregation.{package}.conn"
+        setup = tree.function(module, f"{server}._setup_routes")
+        manager = tree.function(module, f"{manager_class}.__init__")
+        if setup is None or manager is None:
+            continue
+        routes = _module_call_on_app(setup, _REJECTIONS_RE)
+        watcher = next((call_name(c) for c in calls(manager.node) if "watcher" in call_name(c).lower()), None)
+        if routes is not None and watcher is not None:
+            return [f"{setup.where}: {routes}", f"{manager.where}: {watcher}(...)"]
     return None
 
 

@@ -432,10 +432,10 @@ def _forged_control_requests(room: int) -> list[tuple[str, str, bytes]]:
     digest = {"room": room, "rank": 0, "values": [0] * 8}
     return [
         ("PUT", "/route", json.dumps(forged_rank).encode()),
-        ("PUT", "/sglang_harden/abort", json.dumps(abort).encode()),
+        ("PUT", "/pd_rejections", json.dumps(abort).encode()),
         ("PUT", "/sglang_harden/digest", json.dumps(digest).encode()),
         ("GET", f"/sglang_harden/digest_feed?rooms={room}", b""),
-        ("GET", f"/sglang_harden/aborts?rooms={room}", b""),
+        ("GET", f"/pd_rejections?rooms={room}", b""),
         ("GET", ROUTE_TABLE_QUERY, b""),
         ("POST", "/register_dp_rank", json.dumps({"bootstrap_room": room, "dp_rank": 0}).encode()),
     ]
@@ -492,7 +492,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
     assert victims["router"].ok and victims["router"].output_ids == reference.decode.output_ids
 
     secret = parse_secrets(pair.prefill.secret_file.read_text())
-    target = f"/sglang_harden/aborts?rooms={room}"
+    target = f"/pd_rejections?rooms={room}"
     signed = {HEADER: sign(secret, "GET", target, b"")}
     assert _bootstrap_call(port, "GET", target, b"", signed) == 200, "a holder of the secret is served"
     assert _bootstrap_call(port, "GET", target, b"", signed) == 401, "the same token replayed"

@@ -44,7 +44,7 @@ NEXT = "t" * MIN_SECRET_CHARS
 FUZZ_EXAMPLES = int(os.environ.get("SGLANG_HARDEN_FUZZ_EXAMPLES", "1000"))
 ROUTES = [
     ("PUT", "/route"), ("GET", "/route"), ("POST", "/register_dp_rank"), ("POST", "/query_dp_ranks"),
-    ("PUT", "/sglang_harden/abort"), ("GET", "/sglang_harden/aborts"), ("PUT", "/sglang_harden/digest"),
+    ("PUT", "/pd_rejections"), ("GET", "/pd_rejections"), ("PUT", "/sglang_harden/digest"),
     ("GET", "/sglang_harden/digests"), ("GET", "/sglang_harden/digest_feed"),
 ]
 STATE_SKIP = {"app", "lock", "thread", "_runner", "_loop", "loop", "_background_tasks", "_site"}
@@ -114,11 +114,11 @@ def test_sglang_bootstrap_client_signs_and_is_served(server: dict[str, Any]) -> 
 
 
 def test_forged_stale_and_replayed_tokens_are_refused(server: dict[str, Any]) -> None:
-    base, target = server["base"], "/sglang_harden/aborts?rooms=1,2"
+    base, target = server["base"], "/pd_rejections?rooms=1,2"
     assert _send(base, "GET", target, headers=_signed_headers("GET", target, b"", secret=NEXT)).status_code == 401
     stale = {HEADER: sign(parse_secrets(SECRET), "GET", target, b"", now=time.time() - 3600)}
     assert _send(base, "GET", target, headers=stale).status_code == 401
-    wrong_path = _signed_headers("GET", "/sglang_harden/aborts?rooms=3", b"")
+    wrong_path = _signed_headers("GET", "/pd_rejections?rooms=3", b"")
     assert _send(base, "GET", target, headers=wrong_path).status_code == 401
     once = _signed_headers("GET", target, b"")
     assert _send(base, "GET", target, headers=once).status_code == 200
@@ -128,7 +128,7 @@ def test_forged_stale_and_replayed_tokens_are_refused(server: dict[str, Any]) ->
 def test_rotation_in_place_accepts_current_and_next(server: dict[str, Any]) -> None:
     """Rewriting the secret file is picked up within a second, without a restart: (next, current) signs with
     next and accepts both; then (next) alone refuses the old secret."""
-    base, target, secret_file = server["base"], "/sglang_harden/aborts?rooms=5", server["file"]
+    base, target, secret_file = server["base"], "/pd_rejections?rooms=5", server["file"]
     try:
         secret_file.write_text(f"{NEXT}\n{SECRET}\n")
         time.sleep(1.1)
@@ -152,7 +152,7 @@ def test_log_mode_serves_and_counts(server: dict[str, Any]) -> None:
     RUNTIME.config = dataclasses.replace(saved, bootstrap_auth=Mode.LOG)
     try:
         counts = events.snapshot().get("bootstrap_auth:reject_logged", 0)
-        assert _send(server["base"], "GET", "/sglang_harden/aborts?rooms=9").status_code == 200
+        assert _send(server["base"], "GET", "/pd_rejections?rooms=9").status_code == 200
         assert events.snapshot().get("bootstrap_auth:reject_logged", 0) == counts + 1
     finally:
         RUNTIME.config = saved
@@ -160,7 +160,7 @@ def test_log_mode_serves_and_counts(server: dict[str, Any]) -> None:
 
 def test_ten_megabyte_body_is_refused(server: dict[str, Any]) -> None:
     body = b"x" * (10 << 20)
-    answer = _send(server["base"], "PUT", "/sglang_harden/abort", body, _signed_headers("PUT", "/sglang_harden/abort",
+    answer = _send(server["base"], "PUT", "/pd_rejections", body, _signed_headers("PUT", "/pd_rejections",
                                                                                           body))
     assert answer.status_code == 413
     assert _send(server["base"], "GET", "/health").status_code == 200
@@ -170,7 +170,7 @@ def test_a_client_that_never_finishes_does_not_stall_others(server: dict[str, An
     port = int(server["base"].rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
         slow.sendall(b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
-        target = "/sglang_harden/aborts?rooms=11"
+        target = "/pd_rejections?rooms=11"
         started = time.monotonic()
         assert _send(server["base"], "GET", target, headers=_signed_headers("GET", target, b"")).status_code == 200
         assert time.monotonic() - started < 2
@@ -229,8 +229,8 @@ def test_our_clients_sign_and_are_served(server: dict[str, Any]) -> None:
     addr = server["base"].removeprefix("http://")
     room = 987_654_321
     body = json.dumps({"room": room, "status_code": 400, "message": "too long", "sent_kv": False}).encode()
-    answer = _send(server["base"], "PUT", notify.ABORT_PATH, body, control_auth.outgoing_headers(
-        "PUT", notify.ABORT_PATH, body))
+    answer = _send(server["base"], "PUT", notify.ROUTE, body, control_auth.outgoing_headers(
+        "PUT", notify.ROUTE, body))
     assert answer.status_code == 200, answer.text
     found = notify.fetch_aborts(addr, [room])
     assert [a.room for a in found] == [room] and found[0].message == "too long"

@@ -6,15 +6,9 @@ import importlib.util
 
 import pytest
 
+from sglang_harden.compat.kv_canary import check_stamps, stamp, still_stamped
 from sglang_harden.guards.base import Verdict
-from sglang_harden.guards.canary import (
-    check_stamps,
-    decide_commit,
-    new_marker,
-    stamp,
-    stamp_slots,
-    still_stamped,
-)
+from sglang_harden.guards.canary import decide_commit, new_marker, stamp_slots
 
 needs_torch = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="torch not installed: run with a pin venv's python"

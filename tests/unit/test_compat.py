@@ -200,24 +200,39 @@ def test_control_auth_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 
 class _Router:
-    def __init__(self) -> None:
-        self.routes: list[tuple[str, str]] = []
+    """aiohttp's router as far as the hooks use it (``add_route``, ``routes()`` with each route's resource info);
+    like aiohttp, a second route for the same method and path is refused."""
+
+    def __init__(self, served: tuple[tuple[str, str], ...] = ()) -> None:
+        self.added: list[tuple[str, str]] = []
+        self._all = list(served)
 
     def add_route(self, method: str, path: str, _handler: object) -> None:
-        self.routes.append((method, path))
+        if (method, path) in self._all:
+            raise RuntimeError(f"Added route will never be executed, method {method} is already registered")
+        self.added.append((method, path))
+        self._all.append((method, path))
+
+    def routes(self) -> list[object]:
+        def route(method: str, path: str) -> object:
+            resource = types.SimpleNamespace(get_info=lambda: {"path": path})
+            return types.SimpleNamespace(method=method, resource=resource)
+
+        return [route(method, path) for method, path in self._all]
 
 
-def _routes_added_by(owners: set[str]) -> set[tuple[str, str]]:
-    """The control routes the 0.5 adapter's ``_setup_routes`` hooks of ``owners`` add to a bootstrap server."""
+def _routes_added_by(owners: set[str], served: tuple[tuple[str, str], ...] = ()) -> set[tuple[str, str]]:
+    """The control routes the 0.5 adapter's ``_setup_routes`` hooks of ``owners`` add to a bootstrap server that
+    already serves ``served``."""
     from sglang_harden.compat import sglang_v05
 
-    server = types.SimpleNamespace(app=types.SimpleNamespace(router=_Router()))
+    server = types.SimpleNamespace(app=types.SimpleNamespace(router=_Router(served)))
     setup = lambda self: None  # noqa: E731 - SGLang's own routes: none here
     for hook in sglang_v05.HOOKS:
         if hook.qualname.endswith("._setup_routes") and hook.owner in owners:
             setup = hook.make_wrapper(setup)
     setup(server)
-    return set(server.app.router.routes)
+    return set(server.app.router.added)
 
 
 def test_each_guard_installs_its_own_control_routes() -> None:
@@ -227,10 +242,19 @@ def test_each_guard_installs_its_own_control_routes() -> None:
 
     digests = {("PUT", digest_channel.DIGEST_PATH), ("GET", digest_channel.DIGESTS_PATH),
                ("GET", digest_channel.FEED_PATH)}
-    aborts = {("PUT", notify.ABORT_PATH), ("GET", notify.ABORTS_PATH)}
+    aborts = {("PUT", notify.ROUTE), ("GET", notify.ROUTE)}
     assert _routes_added_by({"checksum"}) == digests
     assert _routes_added_by({"abort_notify"}) == aborts
     assert _routes_added_by({"abort_notify", "checksum"}) == digests | aborts
+
+
+def test_a_patched_tree_keeps_its_own_rejection_routes() -> None:
+    """On a tree whose backport series already serves ``/pd_rejections`` (same wire format), the plugin adds no
+    second route there (aiohttp would refuse it and the bootstrap server would not start)."""
+    from sglang_harden.compat import notify
+
+    patched = (("PUT", notify.ROUTE), ("GET", notify.ROUTE))
+    assert _routes_added_by({"abort_notify"}, served=patched) == set()
 
 
 def _tags_hook() -> object:

@@ -103,3 +103,54 @@ def test_late_imports_count(tmp_path: Path) -> None:
 
 def test_sglang_harden_has_no_import_circle() -> None:
     assert circles(import_graph()) == []
+
+
+# What the guards may not reach, directly or through sglang-harden modules they import: SGLang, torch (and
+# the kernels built on it), and any HTTP or socket code. A guard takes a view in and gives a decision out.
+FORBIDDEN_FOR_GUARDS = {"sglang", "torch", "triton", "urllib", "http", "aiohttp", "requests", "socket",
+                        "httpx", "zmq"}
+
+
+def external_imports(root: Path = PACKAGE_ROOT) -> dict[str, set[str]]:
+    """Per sglang-harden module: the top-level names of the outside modules it imports (anywhere in the file)."""
+    out: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.split(".")[0])
+        out[_module_name(path, root)] = names - {root.name}
+    return out
+
+
+def reached_from(graph: dict[str, set[str]], starts: set[str]) -> set[str]:
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for nxt in graph.get(todo.pop(), set()) - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def forbidden_for_guards(root: Path = PACKAGE_ROOT) -> dict[str, set[str]]:
+    package = root.name
+    graph, outside = import_graph(root), external_imports(root)
+    guards = {name for name in graph if name.startswith(f"{package}.guards")}
+    found = {name: outside[name] & FORBIDDEN_FOR_GUARDS for name in reached_from(graph, guards)}
+    return {name: names for name, names in found.items() if names}
+
+
+def test_finder_follows_a_guard_into_a_helper(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "guards").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "guards" / "__init__.py"):
+        init.write_text("")
+    (package / "guards" / "g.py").write_text("from pkg import helper\n")
+    (package / "helper.py").write_text("def f():\n    import torch.distributed as dist\n")
+    assert forbidden_for_guards(package) == {"pkg.helper": {"torch"}}
+
+
+def test_guards_import_no_sglang_torch_or_http() -> None:
+    assert forbidden_for_guards() == {}

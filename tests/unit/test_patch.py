@@ -209,6 +209,7 @@ def _load_patched(tree: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> Mod
     spec = importlib.util.spec_from_file_location(f"{name}_under_test", tree / PATCHED_COMMON / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -224,27 +225,54 @@ def _load_pd_rejections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Modu
     return _load_patched(_patched_tree(tmp_path), "pd_rejections", monkeypatch)
 
 
-def test_rejection_board_is_bounded_and_expires(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                no_secret: None) -> None:
+def test_rejection_board_is_bounded_expires_and_keeps_the_first_word(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      no_secret: None) -> None:
     mod = _load_pd_rejections(tmp_path, monkeypatch)
-    board = mod.RejectionBoard(capacity=2, ttl_s=3600)
+    board = mod.AbortBoard(capacity=2, ttl_s=3600)
     for room in (1, 2, 3):
-        board.post(room, 400, f"m{room}")
-    assert board.lookup([1, 2, 3]) == {"2": {"status_code": 400, "message": "m2"},
-                                       "3": {"status_code": 400, "message": "m3"}}
-    stale = mod.RejectionBoard(ttl_s=0.0)
-    stale.post(7, 400, "x")
-    assert stale.lookup([7]) == {}
+        board.post(mod.PeerAbort(room, 400, f"m{room}", sent_kv=False))
+    board.post(mod.PeerAbort(3, 500, "later retirement", sent_kv=True))
+    assert mod.board_answer(board, [1, 2, 3]) == {"rooms": {
+        "2": {"status_code": 400, "message": "m2", "sent_kv": False},
+        "3": {"status_code": 400, "message": "m3", "sent_kv": False}}}
+    stale = mod.AbortBoard(ttl_s=0.0)
+    stale.post(mod.PeerAbort(7, 400, "x"))
+    assert stale.lookup([7]) == []
 
 
 def test_rejection_inputs_are_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
     mod = _load_pd_rejections(tmp_path, monkeypatch)
-    assert mod.parse_post({"room": 5, "status_code": 400, "message": "too long"}) == (5, 400, "too long")
-    for bad in ([], {"room": "5", "status_code": 400, "message": "m"}, {"room": 5, "status_code": 200, "message": "m"}):
+    assert mod.parse_notice(b'{"room": 5, "status_code": 400, "message": "too long"}') == mod.PeerAbort(
+        5, 400, "too long", True)
+    for bad in (b"[]", b'{"room": "5", "status_code": 400, "message": "m"}',
+                b'{"room": 5, "status_code": 200, "message": "m"}',
+                b'{"room": true, "status_code": 400, "message": ""}',
+                b'{"room": 5, "status_code": 400, "message": "m", "sent_kv": "no"}', b"{" + b" " * 70000 + b"}"):
         with pytest.raises(ValueError):
-            mod.parse_post(bad)
+            mod.parse_notice(bad)
     with pytest.raises(ValueError):
-        mod.parse_rooms(",".join(str(i) for i in range(mod.MAX_ROOMS_PER_QUERY + 1)))
+        mod.parse_rooms_query(",".join(str(i) for i in range(mod.MAX_ROOMS_PER_QUERY + 1)))
+
+
+def test_patched_and_plugin_notices_are_one_wire_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       no_secret: None) -> None:
+    """What a patched prefill posts and serves, a plugin decode reads (and the reverse), field for field,
+    ``sent_kv`` included: the patched module's route, body and answer are the plugin's."""
+    from sglang_harden.channels import abort_wire
+    from sglang_harden.compat import notify
+
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
+    assert mod.ROUTE == notify.ROUTE == "/pd_rejections"
+    door = abort_wire.PeerAbort(11, 400, "Input length (300 tokens) exceeds the maximum allowed length", False)
+    patched_board = mod.AbortBoard()
+    patched_board.post(mod.parse_notice(abort_wire.notice_body(door)))  # plugin prefill -> patched board
+    found, malformed = abort_wire.parse_board_answer(json.loads(json.dumps(mod.board_answer(patched_board, [11, 12]))))
+    assert (found, malformed) == ([door], [])  # patched board -> plugin decode
+    plugin_board = abort_wire.AbortBoard()
+    plugin_board.post(abort_wire.parse_notice(mod.notice_body(mod.PeerAbort(12, 500, "aborted", True))))
+    found, _ = mod.parse_board_answer(json.loads(json.dumps(notify.aborts_payload([12], plugin_board))))
+    assert found == [mod.PeerAbort(12, 500, "aborted", True)]  # plugin board -> patched decode
+    assert mod.rooms_target([1, 2]) == abort_wire.rooms_target([1, 2]) == "/pd_rejections?rooms=1,2"
 
 
 def test_abort_verdict_reads_both_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
@@ -422,6 +450,22 @@ def test_doctor_reads_the_patched_authentication(tmp_path: Path) -> None:
         data = doctor.report(tree, [], environ)
         row = next(p for p in data["protections"] if p["key"] == "bootstrap_auth")
         assert (row["verdict"], data["harden"]["control_plane_auth"]) == (verdict, auth), environ
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_doctor_sees_the_patched_notice_channel(pin: str, tmp_path: Path) -> None:
+    """doctor on a patched tree reports decode as told of prefill's rejections (the series' ``/pd_rejections``
+    routes and decode's watcher); on the vanilla tree it does not (it said "missing" on patched trees too)."""
+    from sglang_harden.tools import _protections as protections
+    from sglang_harden.tools._source import SourceTree
+
+    vanilla = protections.detect_decode_abort_notify(SourceTree(make_tree(pin, tmp_path / "vanilla")))
+    assert vanilla.status != protections.YES, vanilla
+    patched = SourceTree(make_tree(pin, tmp_path / "tree"))
+    assert P.apply_series(patched.root, pin).ok
+    native = protections.detect_decode_abort_notify(patched)
+    assert native.status == protections.YES, native
+    assert any("pd_rejections.add_routes" in line for line in native.evidence), native
 
 
 # ---------------------------------------------------------------- the patched capacity gate (no SGLang import)

@@ -246,10 +246,10 @@ def test_quarantined_pages_are_summed_per_room_from_lifecycle_decisions() -> Non
 def test_forged_control_summary_and_violation() -> None:
     from collections import Counter
 
-    refused = soak.forged_summary(Counter({"PUT /sglang_harden/abort 401": 3, "GET /route 401": 3}))
+    refused = soak.forged_summary(Counter({"PUT /pd_rejections 401": 3, "GET /route 401": 3}))
     assert (refused["sent"], refused["refused_401"], refused["accepted"]) == (6, 6, 0)
     assert _report(forged_control=refused).violations() == []
-    leaked = soak.forged_summary(Counter({"PUT /sglang_harden/abort 401": 3, "GET /route 200": 2,
+    leaked = soak.forged_summary(Counter({"PUT /pd_rejections 401": 3, "GET /route 200": 2,
                                           "GET /sglang_harden/aborts -1": 1}))
     assert (leaked["sent"], leaked["refused_401"], leaked["accepted"]) == (6, 3, 2)
     assert "accepted 2 forged" in _report(forged_control=leaked).violations()[0]
