@@ -158,10 +158,10 @@ class DecodeNode:
         if transfer is None:
             return False
         with self._lock:
-            acks = len(self._acks.get(transfer.room, ()))
-            gone = transfer.addr in self._gone
-            never_started = (transfer.room, transfer.addr) in self._never_started
-        return gone or never_started or (transfer.required_acks > 0 and acks >= transfer.required_acks)
+            evidence = lifecycle.DrainEvidence(
+                transfer.required_acks, len(self._acks.get(transfer.room, ())), transfer.addr in self._gone,
+                (transfer.room, transfer.addr) in self._never_started)
+        return lifecycle.writer_drained(evidence)
 
     # ---- free path (scheduler thread)
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
@@ -396,18 +396,21 @@ class PrefillNode:
         return cached[1]
 
     def settled(self, room: int) -> bool:
+        """The guard's rule (``lifecycle.source_settled``) on what this process knows of the room's transfer."""
         failed_at = self.failed_writes.get(room)
-        if failed_at is not None:
-            if self.lifetime_s <= 0 or time.monotonic() - failed_at < self.lifetime_s:
-                return False  # lifetime 0: only "sender gone" (a restart) ends it
-            del self.failed_writes[room]
+        age = None if failed_at is None else time.monotonic() - failed_at
         mgr = self.kv_mgr
         if mgr is None:
-            return True
-        if getattr(mgr, "_staging_outstanding", {}).get(room, 0) > 0:
+            evidence = lifecycle.SourceEvidence(0, True, age)
+        else:
+            status = mgr.request_status.get(room)
+            evidence = lifecycle.SourceEvidence(getattr(mgr, "_staging_outstanding", {}).get(room, 0),
+                                                status is None or status in _kv_poll().ended, age)
+        if not lifecycle.source_settled(evidence, self.lifetime_s):
             return False
-        status = mgr.request_status.get(room)
-        return status is None or status in _kv_poll().ended
+        if failed_at is not None:
+            del self.failed_writes[room]  # its lifetime is over
+        return True
 
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
         """Mask of ``pages`` whose transfer has not settled (None: free them all); settled rooms let go."""

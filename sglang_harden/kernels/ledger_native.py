@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sysconfig
 import threading
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,27 @@ def ledger_library() -> Any:
 def native_status() -> tuple[bool, str]:
     lib = ledger_library()
     return lib is not None, _loaded["why"]
+
+
+NOT_HANDLED, DONE = 0, 1  # the library's answers to an operation: not its usual case (nothing written), done
+
+
+class LedgerOps:
+    """The native functions and the addresses of one page ledger's three columns (fixed: the columns never resize)."""
+
+    __slots__ = ("reserve", "move", "release", "count_owned", "sole_owner", "release_unwritable",
+                 "release_unwritable_at", "owned_written", "row_owned_written", "state", "owner", "generation",
+                 "_columns")
+
+    def __init__(self, lib: Any, state: array, owner: array, generation: array) -> None:
+        self.reserve = lib.reserve
+        self.move = lib.move
+        self.release = lib.release
+        self.count_owned = lib.count_owned
+        self.sole_owner = lib.sole_owner
+        self.release_unwritable = lib.release_unwritable
+        self.release_unwritable_at = lib.release_unwritable_at
+        self.owned_written = lib.owned_written
+        self.row_owned_written = lib.row_owned_written
+        self._columns = (state, owner, generation)  # keeps the memory behind the addresses alive
+        self.state, self.owner, self.generation = (column.buffer_info()[0] for column in self._columns)

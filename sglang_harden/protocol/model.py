@@ -48,7 +48,8 @@ from sglang_harden.protocol.world import (
 Event = tuple[str, int]
 TIMEOUTS = frozenset({"decode_timeout", "prefill_timeout"})
 # Events nobody inside the system causes: the protocol may not rely on them to make progress.
-EXTERNAL = TIMEOUTS | {"client_abort", "prefill_disconnect", "transfer_fail", "fault_misown"}
+EXTERNAL = TIMEOUTS | {"client_abort", "prefill_disconnect", "transfer_fail", "fault_misown", "lifetime_expires",
+                      "ack_lost", "sender_gone"}
 CLIENT_GONE = 499
 
 PROPERTIES = {
@@ -137,6 +138,10 @@ class Model:
             kinds.append("prefill_abort")
         if c.notice[r]:
             kinds.append("deliver_notice")
+        if self.config.write_lifetime and status == T_FAILED and c.ops[r] and not c.expired[r]:
+            kinds.append("lifetime_expires")
+        if self.config.lost_acks:
+            self._lost_ack_events(c, r, kinds)
         if self.config.client_events:
             self._client_events(c, r, kinds)
         if self.config.timeouts:
@@ -147,6 +152,14 @@ class Model:
         if self.config.events_off:
             kinds = [k for k in kinds if k not in self.config.events_off]
         return kinds
+
+    def _lost_ack_events(self, c: Columns, r: int, kinds: list[str]) -> None:
+        """The ack can be lost while decode quarantines r's pages; the sender can be found gone once its writes
+        are over (a process that died with writes in flight is not modelled)."""
+        if c.quar[r] and not c.ack_lost[r]:
+            kinds.append("ack_lost")
+        if c.ack_lost[r] and not c.gone[r] and c.p_phase[r] in ENDED_P and not c.ops[r]:
+            kinds.append("sender_gone")
 
     def _client_events(self, c: Columns, r: int, kinds: list[str]) -> None:
         live = c.p_phase[r] not in ENDED_P or c.d_phase[r] not in ENDED_D
@@ -251,7 +264,7 @@ class Model:
             w.status[r] = T_FAILED
             self._say(f"final send refused, sender failed ({rejection[1]})")
             self._end_prefill(w, r, rejection[0])
-            self._release_source(w, r, settled=True)
+            self._release_source(w, r)
             return
         count = min(len(w.src[r]), len(w.dst[r]))
         ops = tuple(zip(w.src[r][:count], w.dst[r][:count], strict=True))
@@ -284,7 +297,7 @@ class Model:
             w.p_phase[r] = P_DONE if not status else P_ENDED
             if status:
                 w.record_error(r, status)
-        self._release_source(w, r, settled=True)
+        self._release_source(w, r)
 
     def _transfer_fail(self, w: World, r: int) -> None:
         w.status[r] = T_FAILED
@@ -292,7 +305,7 @@ class Model:
         self._say(f"transfer fails with {len(w.ops[r])} write(s) still in flight")
         if w.p_phase[r] == P_SENDING:
             self._end_prefill(w, r, 500)
-            self._release_source(w, r, settled=not w.ops[r])
+            self._release_source(w, r)
 
     def _decode_poll(self, w: World, r: int) -> None:
         if w.status[r] == T_FAILED:
@@ -362,7 +375,7 @@ class Model:
         sending = w.p_phase[r] == P_SENDING
         self._end_prefill(w, r, CLIENT_GONE)
         if sending:
-            self._release_source(w, r, settled=not w.ops[r])
+            self._release_source(w, r)
 
     def _client_abort(self, w: World, r: int) -> None:
         w.client[r] |= CLIENT_ABORTED
@@ -432,10 +445,10 @@ class Model:
             w.d_free |= 1 << page
             w.d_quar &= ~(1 << page)
 
-    def _release_source(self, w: World, r: int, settled: bool) -> None:
+    def _release_source(self, w: World, r: int) -> None:
         if not w.src[r]:
             return
-        self._free_prefill(w, self.policy.release_source(w, r, settled))
+        self._free_prefill(w, self.policy.release_source(w, r))
         if not w.held[r]:
             w.src[r] = ()
 
@@ -448,21 +461,36 @@ class Model:
             self._say(f"prefill frees {pages}")
 
     def _settle_drained(self, w: World) -> None:
-        """A writer that has nothing in flight and whose prefill request ended confirms it drained."""
+        """Once prefill's request ended: when production's rule says r's writes are over, prefill lets its held
+        source pages go and sends its drain ack; decode leaves quarantine when its rule says the writer
+        drained (the ack arrived, or the sender is known gone)."""
         quar, held = w.peek("quar"), w.peek("held")
         if not (any(quar) or any(held)):
             return
         for r in range(self.config.n):
-            if not (quar[r] or held[r]) or w.ops[r] or w.status[r] == T_SENDING:
+            if not (quar[r] or held[r]) or w.p_phase[r] not in ENDED_P:
                 continue
-            if w.p_phase[r] not in ENDED_P:
-                continue
-            decode_pages = self.policy.settle(w, r)
-            self._free_decode(w, decode_pages)
-            if w.held[r]:
-                self._release_source(w, r, settled=True)
-            if decode_pages:
-                self._say(f"r{r}'s writer drained: decode pages {decode_pages} leave quarantine")
+            settled = self.policy.source_settled(w, r)
+            if quar[r] and self.policy.writer_drained(w, r, ack_sent=settled):
+                decode_pages = self.policy.settle(w, r)
+                self._free_decode(w, decode_pages)
+                if decode_pages:
+                    self._say(f"r{r}'s writer drained: decode pages {decode_pages} leave quarantine")
+            if held[r] and settled:
+                self._release_source(w, r)
+
+    # ---- the transport's and the network's own events --------------------------------------------------
+    def _lifetime_expires(self, w: World, r: int) -> None:
+        w.expired[r] = 1
+        self._say(f"r{r}'s failed write outlives the write lifetime (still in flight)")
+
+    def _ack_lost(self, w: World, r: int) -> None:
+        w.ack_lost[r] = 1
+        self._say(f"prefill's drain ack for r{r} is lost")
+
+    def _sender_gone(self, w: World, r: int) -> None:
+        w.gone[r] = 1
+        self._say(f"decode learns r{r}'s sender is gone")
 
     # ---- state properties ----------------------------------------------------------------------------------
     def check_state(self, state: tuple, events: list[Event]) -> Violation | None:
@@ -479,8 +507,9 @@ class Model:
 
     def _quiesce(self, w: World) -> Violation | None:
         full_d, full_p = (1 << self.config.decode_pages) - 1, (1 << self.config.prefill_pages) - 1
-        if w.d_free != full_d or w.p_free != full_p:
-            lost_d = [p for p in range(self.config.decode_pages) if not w.d_free >> p & 1]
+        d_free = w.d_free | self.policy.held_by_design(w)
+        if d_free != full_d or w.p_free != full_p:
+            lost_d = [p for p in range(self.config.decode_pages) if not d_free >> p & 1]
             lost_p = [p for p in range(self.config.prefill_pages) if not w.p_free >> p & 1]
             return Violation("leak_at_quiesce", f"not free at quiesce: decode {lost_d}, prefill {lost_p}")
         for r in range(self.config.n):

@@ -15,6 +15,8 @@ from sglang_harden.guards.base import Verdict
 from sglang_harden.protocol.world import (
     PENDING_DECODE,
     PENDING_PREFILL,
+    T_FAILED,
+    T_SENDING,
     ModelConfig,
     World,
     mask_of,
@@ -36,6 +38,7 @@ UNMODELLED_GUARDS = {
     "bootstrap channel",
 }
 TOO_LONG_STATUS = 400
+WRITE_LIFETIME_S = 30.0  # the sender's transfer_write_lifetime_s default; the model's expiry event passes it
 
 
 class Freed:
@@ -108,10 +111,14 @@ class VanillaPolicy:
         pages = w.dst[r]
         return Freed(freed=pages)
 
-    def release_source(self, w: World, r: int, settled: bool) -> list[int]:
+    def release_source(self, w: World, r: int) -> list[int]:
         """``process_disagg_prefill_inflight_queue`` (success and failure branches) and the abort path:
         source pages are freed at once, whether or not the transfer still reads them."""
         return list(w.src[r])
+
+    def held_by_design(self, w: World) -> int:
+        """Decode pages that may stay out of the free list at quiesce by design (none: nothing is held)."""
+        return 0
 
     def prefill_success_error(self, w: World, r: int) -> int:
         """``process_disagg_prefill_inflight_queue`` success branch overwrites ``finished_reason`` with
@@ -244,21 +251,42 @@ class HardenedPolicy(VanillaPolicy):
             return len(ops)
         return len(lifecycle.split_into_windows(ops, self.config.transfer_window)[0])
 
-    def _prefill_ledger(self, w: World) -> lifecycle.PageLedger:
-        return w.ledger("p_ledger", self.config.prefill_pages)
-
     def on_send(self, w: World, r: int) -> None:
         if self.on("lifecycle.source_hold"):
-            self._prefill_ledger(w).hold_source(rid_of(r), w.src[r])
             w.held[r] = 1
 
-    def release_source(self, w: World, r: int, settled: bool) -> list[int]:
+    def release_source(self, w: World, r: int) -> list[int]:
+        """Held source pages go back only once production's rule says the room's writes are over."""
         if not w.held[r]:
             return list(w.src[r])
-        if not settled:
+        if not self.source_settled(w, r):
             return []
         w.held[r] = 0
-        return self._prefill_ledger(w).settle_source(rid_of(r))
+        return list(w.src[r])
+
+    def source_settled(self, w: World, r: int) -> bool:
+        """``lifecycle.source_settled`` on what prefill knows of r's transfer: chunks still queued while it
+        sends, whether its status is final, and a write the transport gave up on (young, or past its lifetime)."""
+        failed_write = w.status[r] == T_FAILED and bool(w.ops[r])
+        age = (lifecycle.FAILED_WRITE_EXPIRED if w.expired[r] else 0.0) if failed_write else None
+        chunks = len(w.ops[r]) if w.status[r] == T_SENDING else 0
+        evidence = lifecycle.SourceEvidence(chunks, w.status[r] != T_SENDING, age)
+        return lifecycle.source_settled(evidence, WRITE_LIFETIME_S)
+
+    def writer_drained(self, w: World, r: int, ack_sent: bool) -> bool:
+        """``lifecycle.writer_drained`` on what decode knows: prefill's one drain ack (sent once the room
+        settled, unless lost on the way) and whether the sender is known gone."""
+        acks = int(ack_sent and not w.ack_lost[r])
+        return lifecycle.writer_drained(lifecycle.DrainEvidence(1, acks, sender_gone=bool(w.gone[r])))
+
+    def held_by_design(self, w: World) -> int:
+        """Quarantined pages whose drain ack was lost while the sender lives: held until it is known gone
+        (never reused on a bare timeout; the quarantine cap bounds them)."""
+        ledger, mask = self._decode_ledger(w), 0
+        for r in range(self.config.n):
+            if w.ack_lost[r] and not w.gone[r]:
+                mask |= mask_of(ledger.quarantined_pages(rid_of(r)))
+        return mask
 
     def prefill_success_error(self, w: World, r: int) -> int:
         keeps_pending = self.on("retire") and w.pending[r] & PENDING_PREFILL

@@ -25,9 +25,10 @@ PREFILL_PHASES = ("new", "queued", "bootstrapped", "forwarded", "sending", "done
 DECODE_PHASES = ("new", "queued", "waiting", "running", "done", "ended")
 PER_REQUEST = (
     "p_phase", "d_phase", "p_len", "d_len", "pending", "p_abort", "handshook", "dst", "gen", "src", "ops",
-    "issued", "status", "meta", "notice", "error", "completed", "client", "quar", "held",
+    "issued", "status", "meta", "notice", "error", "completed", "client", "quar", "held", "expired", "ack_lost",
+    "gone",
 )  # fmt: skip
-GLOBAL = ("p_free", "d_free", "d_quar", "p_content", "d_content", "d_ledger", "p_ledger", "faulted")
+GLOBAL = ("p_free", "d_free", "d_quar", "p_content", "d_content", "d_ledger", "faulted")
 ENDED_P = (P_DONE, P_ENDED)
 ENDED_D = (D_DONE, D_ENDED)
 
@@ -58,6 +59,10 @@ class ModelConfig:
     timeouts: bool = True
     events_off: frozenset[str] = field(default_factory=frozenset)
     faults: frozenset[str] = field(default_factory=frozenset)
+    # a write the transport gave up on outlives the sender's write lifetime (the residual risk of that setting)
+    write_lifetime: bool = False
+    # prefill's drain ack can be lost; decode then learns only that the sender is gone
+    lost_acks: bool = False
 
     @property
     def n(self) -> int:
@@ -112,14 +117,14 @@ class World:
         rows = tuple(tuple(() if name in ("dst", "src", "ops") else 0 for _ in range(n)) for name in PER_REQUEST)
         globals_ = (
             (1 << config.prefill_pages) - 1, (1 << config.decode_pages) - 1, 0,
-            (0,) * config.prefill_pages, (0,) * config.decode_pages, None, None, 0,
+            (0,) * config.prefill_pages, (0,) * config.decode_pages, None, 0,
         )  # fmt: skip
         return cls.thaw((rows, globals_))
 
     @classmethod
     def thaw(cls, state: tuple) -> World:
         w = cls.__new__(cls)
-        w._rows, (w.p_free, w.d_free, w.d_quar, p_content, d_content, w.d_ledger, w.p_ledger, w.faulted) = state
+        w._rows, (w.p_free, w.d_free, w.d_quar, p_content, d_content, w.d_ledger, w.faulted) = state
         w.p_content, w.d_content = list(p_content), list(d_content)
         w._touched = []
         w._ledger_cache = {}
@@ -150,12 +155,12 @@ class World:
             rows = tuple(rows)
         globals_ = (
             self.p_free, self.d_free, self.d_quar, tuple(self.p_content), tuple(self.d_content),
-            self.d_ledger, self.p_ledger, self.faulted,
+            self.d_ledger, self.faulted,
         )  # fmt: skip
         return rows, globals_
 
     def ledger(self, name: str, num_pages: int):  # -> PageLedger (imported lazily by the policy)
-        """The live ledger for ``name`` ('d_ledger' or 'p_ledger'), restored from the state on first use."""
+        """The live ledger for ``name`` (decode's, 'd_ledger'), restored from the state on first use."""
         from sglang_harden.guards.lifecycle import PageLedger
 
         cached = self._ledger_cache.get(name)

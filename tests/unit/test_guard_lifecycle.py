@@ -85,12 +85,25 @@ def test_admission_closes_at_quarantine_cap():
     assert ledger.admission_open(0).fields["cap"] == default_quarantine_cap(8) == 2
 
 
-def test_source_pages_held_until_settled():
-    ledger = PageLedger(4)
-    ledger.hold_source("p", [2, 3])
-    assert ledger.source_held("p")
-    assert ledger.settle_source("p") == [2, 3]
-    assert not ledger.source_held("p") and ledger.settle_source("p") == []
+def test_source_settles_only_when_no_write_can_land():
+    from sglang_harden.guards.lifecycle import FAILED_WRITE_EXPIRED, SourceEvidence, source_settled
+
+    assert source_settled(SourceEvidence(0, True), 30.0)
+    assert not source_settled(SourceEvidence(1, False), 30.0)  # a chunk still queued or in flight
+    assert not source_settled(SourceEvidence(0, False), 30.0)  # status not final yet
+    assert not source_settled(SourceEvidence(0, True, 29.9), 30.0)  # a failed write may still land
+    assert source_settled(SourceEvidence(0, True, 30.0), 30.0)
+    assert not source_settled(SourceEvidence(0, True, FAILED_WRITE_EXPIRED), 0.0)  # lifetime 0: never by age
+
+
+def test_writer_drained_needs_every_ack_or_a_known_end():
+    from sglang_harden.guards.lifecycle import DrainEvidence, writer_drained
+
+    assert not writer_drained(DrainEvidence(2, 1))
+    assert writer_drained(DrainEvidence(2, 2))
+    assert not writer_drained(DrainEvidence(0, 0))  # nothing to count: no ack is no proof
+    assert writer_drained(DrainEvidence(2, 0, sender_gone=True))
+    assert writer_drained(DrainEvidence(2, 0, never_started=True))
 
 
 def test_snapshot_restore_roundtrip():
@@ -99,7 +112,6 @@ def test_snapshot_restore_roundtrip():
     ledger.begin_write("a", [0])
     ledger.release("a", [0, 1], writer_drained=False)
     ledger.reserve("b", [2])
-    ledger.hold_source("b", [3])
     snap = ledger.snapshot()
     back = PageLedger.restore(snap)
     assert back.snapshot() == snap
