@@ -37,7 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_harden.testbed import pdbench  # noqa: E402
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair  # noqa: E402
+from sglang_harden.testbed.pd_topology import PDPair  # noqa: E402
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER  # noqa: E402
 
 VARIANTS = {
     "vanilla": (VANILLA_LAUNCHER, {}),

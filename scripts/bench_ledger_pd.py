@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_harden.compat.hook_timer import ENV as TIME_HOOKS_ENV  # noqa: E402
 from sglang_harden.testbed import pdbench  # noqa: E402
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair  # noqa: E402
+from sglang_harden.testbed.pd_topology import PDPair  # noqa: E402
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER  # noqa: E402
 
 HARDENED_ENV = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CHECKSUM": "off", TIME_HOOKS_ENV: "lifecycle,page_tags"}
 LOOP_HOOKS = ("._check_pool_invariant#", ".process_disagg_prefill_inflight_queue#", ".pop_transferred#")

@@ -13,7 +13,9 @@ from sglang_harden.testbed.client import GenResult, PairResult, generate, greedy
 from sglang_harden.testbed.envs import EnvError, all_pins, ci_pins, ensure_env, load_pins, require_env
 from sglang_harden.testbed.incident import IncidentSetup, run_incident
 from sglang_harden.testbed.model import build_tiny_model
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair, Router, Server, ServerError
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.router import Router
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server, ServerError
 
 __all__ = [
     "EnvError",

@@ -88,7 +88,8 @@ def _envs(args: argparse.Namespace) -> int:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+    from sglang_harden.testbed.pd_topology import PDPair
+    from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
     state = _state_path(args)
     if state.exists():

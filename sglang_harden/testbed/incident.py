@@ -25,8 +25,9 @@ from typing import Any
 
 from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import PairResult, greedy_body
+from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.profiles import Profile
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 KVTRACE_ENV = "SGLANG_HARDEN_TESTBED_KVTRACE_DIR"
 WAITING_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"

@@ -39,8 +39,9 @@ from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
+from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.profiles import get_profile
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 LATE_WRITE_ENV = "SGLANG_HARDEN_TESTBED_LATE_WRITE"
 Progress = Callable[[str], None] | None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.incident import tenant_a_prompt
-from sglang_harden.testbed.server import PDPair
+from sglang_harden.testbed.pd_topology import PDPair
 
 POOL_TOKENS = 2048
 CONTEXT_LENGTH = 1024

@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 from sglang_harden.testbed.profiles import PROFILES
 
 if TYPE_CHECKING:
-    from sglang_harden.testbed.soak import SoakLoad, SoakReport
+    from sglang_harden.testbed.soak_judging import SoakReport
+    from sglang_harden.testbed.soak_spec import SoakLoad
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from sglang_harden.testbed.soak import SoakTopology
+    from sglang_harden.testbed.soak_spec import SoakTopology
 
     parser.add_argument("--pin", help="SGLang pin whose testbed venv runs the servers (not with --state)")
     parser.add_argument("--backend", default="mooncake", choices=("mooncake", "nixl"))
@@ -69,7 +70,7 @@ def _bad(message: str) -> int:
 
 
 def _load(args: argparse.Namespace) -> SoakLoad:
-    from sglang_harden.testbed.soak import SoakLoad
+    from sglang_harden.testbed.soak_spec import SoakLoad
 
     return SoakLoad(duration_s=args.duration, concurrency=args.concurrency, tenants=args.tenants, seed=args.seed,
                     oversized_share=args.oversized_share, disconnect_share=args.disconnect_share,
@@ -105,49 +106,50 @@ def run(args: argparse.Namespace) -> int:
     problem = _check(args)
     if problem:
         return _bad(problem)
-    from sglang_harden.testbed import soak
+    from sglang_harden.testbed import soak, soak_report, soak_spec
 
     load = _load(args)
     if args.state is not None:
         return _run_state(args, load)
     fleet = args.prefills > 1 or args.decodes > 1
-    topo = soak.SoakTopology(pin=args.pin, backend=args.backend, profile=args.profile, router=args.router or fleet,
-                             prefills=args.prefills, decodes=args.decodes,
-                             prefill_max_total_tokens=args.prefill_pool_tokens,
-                             decode_max_total_tokens=args.decode_pool_tokens)
+    topo = soak_spec.SoakTopology(pin=args.pin, backend=args.backend, profile=args.profile,
+                                  router=args.router or fleet, prefills=args.prefills, decodes=args.decodes,
+                                  prefill_max_total_tokens=args.prefill_pool_tokens,
+                                  decode_max_total_tokens=args.decode_pool_tokens)
     root = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-harden-soak-"))
     variants = [False, True] if args.compare else [False] if args.vanilla else [True]
     reports = []
     for hardened in variants:
         name = "hardened" if hardened else "vanilla"
-        reports.append(soak.run_variant(topo, load, hardened, root, soak.progress_line(f"{args.pin} {name}")))
-    ratios = soak.compare(reports[0], reports[1]) if args.compare else None
+        reports.append(soak.run_variant(topo, load, hardened, root, soak_report.progress_line(f"{args.pin} {name}")))
+    ratios = soak_report.compare(reports[0], reports[1]) if args.compare else None
     _print(args, reports, ratios)
     judged = [r for r in reports if r.variant == "hardened"] or reports
     return 1 if any(r.violations() for r in judged) else 0
 
 
 def _run_state(args: argparse.Namespace, load: SoakLoad) -> int:
-    from sglang_harden.testbed import soak
+    from sglang_harden.testbed import soak, soak_report, soak_requests, soak_spec
 
     try:
         state = json.loads(args.state.read_text())
-        target = soak.Target.of_state(state)
+        target = soak_requests.Target.of_state(state)
     except (ValueError, KeyError, TypeError) as exc:
         return _bad(f"{args.state} is not a testbed state file: {exc!r}")
-    topo = soak.SoakTopology(pin=str(state.get("pin", "?")), backend=args.backend,
-                             profile=str(state.get("profile", args.profile)))
-    report = soak.drive(target, load, topo, "running", None, soak.progress_line("running"), str(state.get("log_dir")))
+    topo = soak_spec.SoakTopology(pin=str(state.get("pin", "?")), backend=args.backend,
+                                  profile=str(state.get("profile", args.profile)))
+    report = soak.drive(target, load, topo, "running", None, soak_report.progress_line("running"),
+                        str(state.get("log_dir")))
     _print(args, [report], None)
     return 1 if report.violations() else 0
 
 
 def _print(args: argparse.Namespace, reports: list[SoakReport], ratios: dict[str, float | None] | None) -> None:
-    from sglang_harden.testbed import soak
+    from sglang_harden.testbed import soak_report
 
     if sys.stderr.isatty():
         print(file=sys.stderr)
     if args.json:
         print(json.dumps({"reports": [r.to_dict() for r in reports], "hardened_over_vanilla": ratios}, indent=2))
     else:
-        print(soak.render(reports, ratios))
+        print(soak_report.render(reports, ratios))

@@ -36,7 +36,8 @@ from sglang_harden.compat import SUPPORTED_PINS
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import IncidentSetup, tenant_a_prompt, tenant_b_prompt
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 pytestmark = pytest.mark.e2e
 

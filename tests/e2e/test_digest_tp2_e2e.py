@@ -29,7 +29,8 @@ import pytest
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import ci_pins
 from sglang_harden.testbed.incident import tenant_a_prompt
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +40,10 @@ WAITING_TIMEOUT_S = 60
 ABORT_BOUND_S = 30.0  # below the 60 s waiting timeout; a mismatch is not reported as a missing rank (10 s)
 FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"flip@1:{FLIP_ROOM}",
              "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}
+# abort_notify off too: the checksum's routes and feed must not depend on it (they used to be installed by its hooks,
+# and decode read the missing routes as "prefill not hardened" and skipped the check; issue 16)
 DIGEST_ONLY = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log", "SGLANG_HARDEN_COVERAGE": "off",
-               "SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "log"}
+               "SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "log", "SGLANG_HARDEN_ABORT_NOTIFY": "off"}
 DECODE_TP2 = ["--tp-size", "2"]
 # Vanilla serves a flipped bit whatever the rank; one pin shows it on two ranks (a TP-2 pair is ~1.3 pairs' boot).
 VANILLA_PIN = ci_pins()[0]
@@ -125,6 +128,9 @@ def test_vanilla_serves_a_bit_flipped_on_one_rank(pin: str, pairs: OnePairAtATim
 
 def test_clean_request_is_verified_on_both_ranks(pairs: OnePairAtATime) -> None:
     hardened = pairs["hardened"]
+    for server in (hardened.prefill, hardened.decode):
+        armed = server.armed_schedulers()
+        assert armed and all("checksum" in s.guards and "abort_notify" not in s.guards for s in armed), armed
     decisions_before = hardened.decode.harden_decisions()
     h = _run(hardened, "clean", CLEAN_ROOM)
     assert h.decode.ok and h.decode.output_ids, h.decode.summary()

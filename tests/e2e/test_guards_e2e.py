@@ -44,8 +44,9 @@ from sglang_harden.testbed.incident import (
 from sglang_harden.testbed.jsonl import read_folder
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV, late_writes
 from sglang_harden.testbed.patched_bootstrap import registration
-from sglang_harden.testbed.server import PDPair, Server
-from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import Server
+from sglang_harden.testbed.soak_requests import ROUTE_TABLE_QUERY
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 from sglang_harden.tools.audit import parse_guard_counters
 

@@ -23,7 +23,8 @@ import pytest
 
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.incident import first_decode_event, tenant_a_prompt, tenant_b_prompt
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 pytestmark = pytest.mark.e2e
 

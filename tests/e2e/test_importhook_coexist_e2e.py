@@ -36,7 +36,8 @@ from sglang_harden.testbed.incident import (
     tenant_a_prompt,
     tenant_b_prompt,
 )
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, PDPair, Server
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server
 
 pytestmark = pytest.mark.e2e
 

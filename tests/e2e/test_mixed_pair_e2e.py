@@ -29,7 +29,8 @@ import pytest
 from sglang_harden.testbed.decisions import decision_lines
 from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, IncidentSetup, RoundResult, run_round
 from sglang_harden.testbed.patched import patched_env, patched_tree
-from sglang_harden.testbed.server import ACTIVATE_ENV, SECRET_FILE_ENV, PDPair
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import ACTIVATE_ENV, SECRET_FILE_ENV
 
 pytestmark = pytest.mark.e2e
 

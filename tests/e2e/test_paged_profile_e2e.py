@@ -53,7 +53,7 @@ from sglang_harden.testbed.incident import (
     tenant_a_prompt,
 )
 from sglang_harden.testbed.profiles import get_profile
-from sglang_harden.testbed.soak import decision_delta
+from sglang_harden.testbed.soak_judging import decision_delta
 
 pytestmark = pytest.mark.e2e
 

@@ -42,7 +42,8 @@ from sglang_harden.testbed.incident import (
 )
 from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.patched_bootstrap import registration
-from sglang_harden.testbed.server import SECRET_FILE_ENV, PDPair
+from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.server import SECRET_FILE_ENV
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
 pytestmark = pytest.mark.e2e

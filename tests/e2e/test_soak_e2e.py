@@ -24,17 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from sglang_harden.testbed.soak import (
-    FORGED_ROUTES,
-    SoakLoad,
-    SoakReport,
-    SoakTopology,
-    compare,
-    failure_story,
-    lifecycle_story,
-    render,
-    run_variant,
-)
+from sglang_harden.testbed.soak import run_variant
+from sglang_harden.testbed.soak_judging import SoakReport
+from sglang_harden.testbed.soak_report import compare, failure_story, lifecycle_story, render
+from sglang_harden.testbed.soak_requests import FORGED_ROUTES
+from sglang_harden.testbed.soak_spec import SoakLoad, SoakTopology
 
 pytestmark = pytest.mark.e2e
 

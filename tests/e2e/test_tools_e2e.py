@@ -26,7 +26,7 @@ SYMMETRIC = {"prefill_max_total_tokens": 600, "decode_max_total_tokens": 600, "c
 
 @pytest.fixture(scope="module")
 def vanilla_symmetric(require_pin: Any) -> Iterator[Any]:
-    from sglang_harden.testbed.server import PDPair
+    from sglang_harden.testbed.pd_topology import PDPair
 
     require_pin(PIN)
     with PDPair(PIN, progress=True, startup_timeout=900.0, **SYMMETRIC) as pair:

@@ -37,7 +37,7 @@ from sglang_harden.config import Mode  # noqa: E402
 from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
 from sglang_harden.testbed.patched_bootstrap import registration, wait_healthy  # noqa: E402
 from sglang_harden.testbed.procs import free_port  # noqa: E402
-from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY  # noqa: E402
+from sglang_harden.testbed.soak_requests import ROUTE_TABLE_QUERY  # noqa: E402
 
 SECRET = "s" * MIN_SECRET_CHARS
 NEXT = "t" * MIN_SECRET_CHARS

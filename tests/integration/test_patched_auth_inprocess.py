@@ -38,7 +38,7 @@ from sglang_harden.testbed.envs import REPO_ROOT  # noqa: E402
 from sglang_harden.testbed.patched import copy_series_files  # noqa: E402
 from sglang_harden.testbed.patched_bootstrap import REJECTED_ROOM, registration  # noqa: E402
 from sglang_harden.testbed.procs import free_port  # noqa: E402
-from sglang_harden.testbed.soak import ROUTE_TABLE_QUERY  # noqa: E402
+from sglang_harden.testbed.soak_requests import ROUTE_TABLE_QUERY  # noqa: E402
 from sglang_harden.tools import patch as patch_tool  # noqa: E402
 
 SECRET = "p" * MIN_SECRET_CHARS

@@ -11,8 +11,9 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from sglang_harden.compat import digest_channel
-from sglang_harden.compat.digest_channel import DigestBoard, PublishedShard, fetch_digests, parse_digest_body
+from sglang_harden.compat import digest_board, digest_channel
+from sglang_harden.compat.digest_board import DigestBoard, PublishedShard, parse_digest_body
+from sglang_harden.compat.digest_channel import fetch_digests
 
 
 def test_board_keeps_every_rank_of_a_room() -> None:
@@ -84,7 +85,7 @@ class _Prefill:
                     self.end_headers()
                     return
                 room = int(parse_qs(url.query)["room"][0])
-                body = json.dumps(digest_channel.digests_payload(room, publishing, outer.board)).encode()
+                body = json.dumps(digest_board.digests_payload(room, publishing, outer.board)).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))

@@ -14,8 +14,9 @@ import pytest
 pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from sglang_harden.compat import digest_channel, shared  # noqa: E402
-from sglang_harden.compat.digest_channel import DigestBoard, DigestFeed, PublishedShard  # noqa: E402
+from sglang_harden.compat import bootstrap_routes, digest_board, digest_channel  # noqa: E402
+from sglang_harden.compat.digest_board import DigestBoard, PublishedShard  # noqa: E402
+from sglang_harden.compat.digest_channel import DigestFeed  # noqa: E402
 
 
 class Receiver:
@@ -27,10 +28,10 @@ class Bootstrap:
 
     def __init__(self, with_feed: bool = True) -> None:
         app = web.Application()
-        app.router.add_put(digest_channel.DIGEST_PATH, shared.handle_digest_put)
-        app.router.add_get(digest_channel.DIGESTS_PATH, shared.handle_digests_get)
+        app.router.add_put(digest_channel.DIGEST_PATH, bootstrap_routes.handle_digest_put)
+        app.router.add_get(digest_channel.DIGESTS_PATH, bootstrap_routes.handle_digests_get)
         if with_feed:
-            app.router.add_get(digest_channel.FEED_PATH, shared.handle_digest_feed_get)
+            app.router.add_get(digest_channel.FEED_PATH, bootstrap_routes.handle_digest_feed_get)
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(app)
         ready = threading.Event()
@@ -49,7 +50,7 @@ class Bootstrap:
 
     def post(self, shard: PublishedShard) -> None:
         """A post as the PUT handler makes it (board + wake the waiting feed queries), on the server's loop."""
-        self.loop.call_soon_threadsafe(digest_channel.post_and_signal, shard)
+        self.loop.call_soon_threadsafe(digest_board.post_and_signal, shard)
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
@@ -60,8 +61,8 @@ class Bootstrap:
 @pytest.fixture()
 def board(monkeypatch: pytest.MonkeyPatch) -> DigestBoard:
     fresh = DigestBoard()
-    monkeypatch.setattr(digest_channel, "BOARD", fresh)
-    monkeypatch.setattr(digest_channel, "POSTED", digest_channel.PostSignal())
+    monkeypatch.setattr(digest_board, "BOARD", fresh)
+    monkeypatch.setattr(digest_board, "POSTED", digest_board.PostSignal())
     return fresh
 
 
@@ -112,7 +113,7 @@ def test_board_feed_says_incomplete_when_posts_were_dropped_or_the_cursor_is_for
 @pytest.mark.parametrize("query", [{"since": "x"}, {"since": "-1"}, {"wait_ms": "-5"}, {"wait_ms": "999999"}])
 def test_malformed_feed_queries_are_refused(query: dict[str, str]) -> None:
     with pytest.raises(ValueError):
-        digest_channel.parse_feed_query(query)
+        digest_board.parse_feed_query(query)
 
 
 def test_feed_delivers_a_digest_posted_before_the_commit_without_asking_the_board(
@@ -163,7 +164,7 @@ def test_a_restarted_prefill_makes_watched_rooms_fall_back_to_the_board(
 ) -> None:
     feed, _keep = _covering_feed(prefill.addr, 11)
     restarted = DigestBoard()  # a new epoch: the reader's cursor means nothing there
-    monkeypatch.setattr(digest_channel, "BOARD", restarted)
+    monkeypatch.setattr(digest_board, "BOARD", restarted)
     prefill.post(PublishedShard(11, 0, (4,)))  # wakes the waiting query, which answers "incomplete"
     _until(lambda: feed._prefills[prefill.addr].epoch == restarted.epoch)
     assert not feed._prefills[prefill.addr].rooms[11].covered

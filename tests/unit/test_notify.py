@@ -200,7 +200,7 @@ def test_front_answer_ends_only_the_request_it_was_watching() -> None:
     import asyncio
     import weakref
 
-    from sglang_harden.compat import shared
+    from sglang_harden.compat import front_hooks
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
@@ -210,7 +210,7 @@ def test_front_answer_ends_only_the_request_it_was_watching() -> None:
         manager.rid_to_state = {"a": live, "b": _ReqState([6]), "c": done}
         refusal = notify.PeerAbort(11, 400, "too long", sent_kv=False)
         for rid, state in (("a", live), ("b", replaced), ("c", done)):
-            shared.finish_at_front(shared.FrontWait(manager, loop, rid, weakref.ref(state)), refusal)
+            front_hooks.finish_at_front(front_hooks.FrontWait(manager, loop, rid, weakref.ref(state)), refusal)
         assert "a" not in manager.rid_to_state and live.finished and live.event.is_set()
         meta = live.out_list[-1]["meta_info"]
         assert meta["finish_reason"] == {"type": "abort", "message": "too long", "status_code": 400}

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from sglang_harden.testbed import soak
+from sglang_harden.testbed import soak_judging, soak_load, soak_report, soak_requests, soak_spec
 from sglang_harden.testbed.procenv import SHIMS_DIR
 from sglang_harden.tools import soak as soak_tool
 
-LOAD = soak.SoakLoad(duration_s=10.0)
-TOPO = soak.SoakTopology(pin="0.5.19")
-TARGET = soak.Target({"prefill": "http://127.0.0.1:9", "decode": "http://127.0.0.1:9"}, 9)
+LOAD = soak_spec.SoakLoad(duration_s=10.0)
+TOPO = soak_spec.SoakTopology(pin="0.5.19")
+TARGET = soak_requests.Target({"prefill": "http://127.0.0.1:9", "decode": "http://127.0.0.1:9"}, 9)
 
 
-def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, wanted: int = 4) -> soak.Outcome:
-    return soak.Outcome(kind, f"r-{kind}-{status}", status, latency, 0.1, tokens, wanted)
+def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, wanted: int = 4) -> soak_spec.Outcome:
+    return soak_spec.Outcome(kind, f"r-{kind}-{status}", status, latency, 0.1, tokens, wanted)
 
 
 @pytest.mark.parametrize(
@@ -42,10 +42,10 @@ def test_verdicts(kind: str, status: int, tokens: int, verdict: str) -> None:
 
 def test_failed_transfer_is_collateral_only_when_a_fault_was_injected() -> None:
     message = "KVTransferError(bootstrap_room=7): Failed to get kvcache from prefill instance, it might be dead"
-    hit = soak.Outcome("normal", "r", 500, 1.0, None, 0, 4, error=message, faults_injected=True)
+    hit = soak_spec.Outcome("normal", "r", 500, 1.0, None, 0, 4, error=message, faults_injected=True)
     assert hit.verdict == "transfer_failed"
-    assert soak.Outcome("normal", "r", 500, 1.0, None, 0, 4, error=message).verdict == "failed"
-    other = soak.Outcome("normal", "r", 500, 1.0, None, 0, 4, error="boom", faults_injected=True)
+    assert soak_spec.Outcome("normal", "r", 500, 1.0, None, 0, 4, error=message).verdict == "failed"
+    other = soak_spec.Outcome("normal", "r", 500, 1.0, None, 0, 4, error="boom", faults_injected=True)
     assert other.verdict == "failed"
 
 
@@ -64,17 +64,17 @@ def test_foreign_reads_counts_first_decode_rows_and_rows_changed_while_decoding(
         {"event": "release", "rid": "d", "context_rows_changed": None},
         {"event": "first_decode", "rid": "e", "foreign_total": 0, "rows_changed_since_commit": 2},
     ]
-    got = soak.foreign_reads(trace)
+    got = soak_judging.foreign_reads(trace)
     assert got["rows"] == 19 and got["requests"] == 3 and got["examples"] == ["b", "c", "e"]
     assert got["traced_first_decodes"] == 3 and got["tracer_errors"] == 0
-    assert soak.foreign_reads([{"event": "error", "where": "x"}])["tracer_errors"] == 1
+    assert soak_judging.foreign_reads([{"event": "error", "where": "x"}])["tracer_errors"] == 1
 
 
 def test_summary_rates_latencies_refusal_bound_and_quarantine_share() -> None:
     outcomes = [_outcome("normal", 200, latency=x) for x in (1.0, 2.0, 3.0, 4.0)]
     outcomes += [_outcome("oversized", 400, latency=0.3), _outcome("oversized", 400, latency=6.0)]
     samples = [{"decode": {"lifecycle": {"quarantined_pages": q}}} for q in (0, 3, 1)]
-    got = soak.summarize(outcomes, samples, 10.0, LOAD, decode_pool_tokens=1600, page_size=16)
+    got = soak_judging.summarize(outcomes, samples, 10.0, LOAD, decode_pool_tokens=1600, page_size=16)
     assert got["by_outcome"] == {"ok": 4, "refused": 2}
     assert got["throughput_tokens_per_s"] == 1.6 and got["throughput_requests_per_s"] == 0.4
     assert got["latency_p50_s"] in (2.0, 3.0) and got["latency_p99_s"] == 4.0
@@ -82,8 +82,8 @@ def test_summary_rates_latencies_refusal_bound_and_quarantine_share() -> None:
     assert got["quarantine_max_pages"] == 3 and got["quarantine_max_share"] == 0.03
 
 
-def _report(**changes: object) -> soak.SoakReport:
-    summary = soak.summarize([_outcome("normal", 200)], [], 1.0, LOAD, 1600, 16)
+def _report(**changes: object) -> soak_judging.SoakReport:
+    summary = soak_judging.summarize([_outcome("normal", 200)], [], 1.0, LOAD, 1600, 16)
     clean = {"leaked_tokens": 0, "double_frees": 0, "quarantined_pages": 0, "pool": {}}
     fields: dict[str, object] = dict(
         variant="hardened", topology={}, load={}, wall_s=1.0, summary=summary,
@@ -91,7 +91,7 @@ def _report(**changes: object) -> soak.SoakReport:
         quiesce={"prefill": dict(clean), "decode": dict(clean)},
     )
     fields.update(changes)
-    return soak.SoakReport(**fields)  # type: ignore[arg-type]
+    return soak_judging.SoakReport(**fields)  # type: ignore[arg-type]
 
 
 def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
@@ -107,33 +107,33 @@ def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
     unread = {"leaked_tokens": None, "double_frees": 0, "quarantined_pages": 0, "pool": None}  # a node that died
     assert "prefill1: pool not readable" in _report(quiesce={"prefill1": unread, "decode": doubled | {
         "double_frees": 0}}).violations()[0]
-    served = soak.summarize([_outcome("oversized", 200)], [], 1.0, LOAD, 1600, 16)
+    served = soak_judging.summarize([_outcome("oversized", 200)], [], 1.0, LOAD, 1600, 16)
     assert _report(summary=served).violations() == ["1 request(s) oversized_served"]
     held = [{"decode0": {"lifecycle": {"quarantined_pages": 3}}}]
-    hoarding = soak.summarize([_outcome("normal", 200)], held, 1.0, LOAD, 1600, 16)  # 3 of 100 pages
+    hoarding = soak_judging.summarize([_outcome("normal", 200)], held, 1.0, LOAD, 1600, 16)  # 3 of 100 pages
     assert _report(summary=hoarding).violations() == ["quarantine peaked at 3 pages (3.00% of a decode pool; bound 2%)"]
     assert _report(summary=hoarding, load={"quarantine_bound_share": 0.05}).violations() == []
 
 
 def test_leak_of_a_pool_report_and_unreachable_pool() -> None:
-    assert soak._leaked({"total": 100, "available": 60, "evictable": 32}) == 8
-    assert soak._leaked({"total": 100, "available": 80, "evictable": 32}) == 0
-    assert soak._leaked({}) is None
+    assert soak_judging._leaked({"total": 100, "available": 60, "evictable": 32}) == 8
+    assert soak_judging._leaked({"total": 100, "available": 80, "evictable": 32}) == 0
+    assert soak_judging._leaked({}) is None
 
 
 def test_compare_ratios() -> None:
     vanilla = _report(variant="vanilla")
     hardened = _report(summary={**vanilla.summary, "throughput_tokens_per_s": vanilla.summary[
         "throughput_tokens_per_s"] * 0.5})
-    ratios = soak.compare(vanilla, hardened)
+    ratios = soak_report.compare(vanilla, hardened)
     assert ratios["throughput_tokens_per_s"] == 0.5 and ratios["latency_p50_s"] == 1.0
-    assert "hardened/vanilla" in soak.render([vanilla, hardened], ratios)
+    assert "hardened/vanilla" in soak_report.render([vanilla, hardened], ratios)
 
 
 def test_load_mix_and_shared_prefixes() -> None:
     rng = random.Random(0)
-    made = [soak.make_request(rng, LOAD, TOPO, i, 0) for i in range(2000)]
-    kinds = {k: sum(1 for kind, _ in made if kind == k) for k in soak.KINDS}
+    made = [soak_load.make_request(rng, LOAD, TOPO, i, 0) for i in range(2000)]
+    kinds = {k: sum(1 for kind, _ in made if kind == k) for k in soak_spec.KINDS}
     assert 50 <= kinds["oversized"] <= 150 and 120 <= kinds["disconnect"] <= 280
     for kind, body in made:
         n = len(body["input_ids"])
@@ -141,27 +141,27 @@ def test_load_mix_and_shared_prefixes() -> None:
             assert TOPO.prefill_max_total_tokens < n <= TOPO.context_length
         else:
             assert n + body["sampling_params"]["max_new_tokens"] < TOPO.prefill_max_total_tokens
-            assert any(body["input_ids"][: LOAD.prefix_len] == soak.tenant_prefix(t, LOAD.prefix_len)
+            assert any(body["input_ids"][: LOAD.prefix_len] == soak_load.tenant_prefix(t, LOAD.prefix_len)
                        for t in range(LOAD.tenants))
     assert len({body["rid"] for _, body in made}) == len(made)
 
 
 def test_late_write_env_names_each_room_once_and_gives_up_the_engine_call() -> None:
-    load = soak.SoakLoad(late_writes=3, late_write_delay_s=6.0)
-    env = load.late_write_env()[soak.LATE_WRITE_ENV]
+    load = soak_spec.SoakLoad(late_writes=3, late_write_delay_s=6.0)
+    env = load.late_write_env()[soak_spec.LATE_WRITE_ENV]
     delay, rooms, timeout, rid_prefix = env.split(":")
-    assert float(delay) == 6.0 and timeout == "timeout=1.0" and rid_prefix == f"rid_prefix={soak.LATE_RID_PREFIX}"
+    assert float(delay) == 6.0 and timeout == "timeout=1.0" and rid_prefix == f"rid_prefix={soak_spec.LATE_RID_PREFIX}"
     assert [int(r) for r in rooms.split(",")] == load.late_rooms() and len(set(load.late_rooms())) == 3
-    assert soak.SoakLoad().late_write_env() == {}
-    with_trigger = load.late_write_trigger_env(Path("/t"))[soak.LATE_WRITE_ENV]
-    assert with_trigger == f"{env}:trigger=/t/{soak.LATE_TRIGGER}"
+    assert soak_spec.SoakLoad().late_write_env() == {}
+    with_trigger = load.late_write_trigger_env(Path("/t"))[soak_spec.LATE_WRITE_ENV]
+    assert with_trigger == f"{env}:trigger=/t/{soak_spec.LATE_TRIGGER}"
     assert _outcome("late_write", 500).verdict == "faulted"
 
 
 def test_abort_finish_reason_is_not_a_200() -> None:
-    assert soak._finish_status({"finish_reason": {"type": "length"}}) == 200
-    assert soak._finish_status({"finish_reason": {"type": "abort", "status_code": 503}}) == 503
-    assert soak._finish_status({"finish_reason": {"type": "abort"}}) == 500
+    assert soak_requests._finish_status({"finish_reason": {"type": "length"}}) == 200
+    assert soak_requests._finish_status({"finish_reason": {"type": "abort", "status_code": 503}}) == 503
+    assert soak_requests._finish_status({"finish_reason": {"type": "abort"}}) == 500
 
 
 def _args(**changes: object) -> argparse.Namespace:
@@ -246,11 +246,11 @@ def test_quarantined_pages_are_summed_per_room_from_lifecycle_decisions() -> Non
 def test_forged_control_summary_and_violation() -> None:
     from collections import Counter
 
-    refused = soak.forged_summary(Counter({"PUT /pd_rejections 401": 3, "GET /route 401": 3}))
+    refused = soak_judging.forged_summary(Counter({"PUT /pd_rejections 401": 3, "GET /route 401": 3}))
     assert (refused["sent"], refused["refused_401"], refused["accepted"]) == (6, 6, 0)
     assert _report(forged_control=refused).violations() == []
-    leaked = soak.forged_summary(Counter({"PUT /pd_rejections 401": 3, "GET /route 200": 2,
-                                          "GET /sglang_harden/aborts -1": 1}))
+    leaked = soak_judging.forged_summary(Counter({"PUT /pd_rejections 401": 3, "GET /route 200": 2,
+                                                  "GET /sglang_harden/aborts -1": 1}))
     assert (leaked["sent"], leaked["refused_401"], leaked["accepted"]) == (6, 3, 2)
     assert "accepted 2 forged" in _report(forged_control=leaked).violations()[0]
 
@@ -264,9 +264,9 @@ def _lines(path: Path, *events: dict[str, object]) -> None:
 
 
 def test_late_write_lands_when_another_request_decodes_over_its_pages(tmp_path: Path) -> None:
-    lander = soak.LateWriteLander(tmp_path)
-    trigger = tmp_path / soak.LATE_TRIGGER
-    late = f"{soak.LATE_RID_PREFIX}0"
+    lander = soak_load.LateWriteLander(tmp_path)
+    trigger = tmp_path / soak_spec.LATE_TRIGGER
+    late = f"{soak_spec.LATE_RID_PREFIX}0"
     _lines(tmp_path / "latewrite-1.jsonl", {"event": "room_learnt", "rid": late, "room": 5, "t": 9.0},
            {"event": "kv_send", "room": 5, "t": 10.0, "dst_pages": [7, 8]},
            {"event": "engine_timeout", "room": 5, "t": 11.0})
@@ -290,9 +290,9 @@ def test_late_write_lands_when_another_request_decodes_over_its_pages(tmp_path: 
 
 
 def test_clients_go_on_past_the_duration_until_enough_are_served_within_the_cap() -> None:
-    load = soak.SoakLoad(duration_s=10.0, min_served=2, max_duration_s=30.0)
-    run = soak.LoadRun(TARGET, load, TOPO, None)
-    now = soak.time.monotonic()
+    load = soak_spec.SoakLoad(duration_s=10.0, min_served=2, max_duration_s=30.0)
+    run = soak_load.LoadRun(TARGET, load, TOPO, None)
+    now = soak_load.time.monotonic()
     run.stop_at = now + 5.0  # inside the duration
     assert run._clients_go_on()
     run.stop_at = now - 1.0  # past the duration, under the cap, none served
@@ -304,7 +304,7 @@ def test_clients_go_on_past_the_duration_until_enough_are_served_within_the_cap(
     run.outcomes.clear()
     run.stop_at = now - 21.0  # past the cap (started 31 s ago): stop even with none served
     assert not run._clients_go_on()
-    plain = soak.LoadRun(TARGET, soak.SoakLoad(duration_s=10.0), TOPO, None)
+    plain = soak_load.LoadRun(TARGET, soak_spec.SoakLoad(duration_s=10.0), TOPO, None)
     plain.stop_at = now - 1.0  # no minimum: the duration alone
     assert not plain._clients_go_on()
 
@@ -321,8 +321,8 @@ def test_failure_story_names_failed_requests_and_non_routine_decisions(tmp_path:
         line(guard="abort_notify", decision="abort", rid="r-3", reason="prefill aborted"),
         "a line that is no decision",
     ]))
-    failed = soak.summarize([soak.Outcome("normal", "r-1", 500, 1.0, error="KV digest could not be verified")],
-                            [], 1.0, LOAD, 1600, 16)
-    story = soak.failure_story(_report(summary=failed, log_dir=str(tmp_path)))
+    unverified = soak_spec.Outcome("normal", "r-1", 500, 1.0, error="KV digest could not be verified")
+    failed = soak_judging.summarize([unverified], [], 1.0, LOAD, 1600, 16)
+    story = soak_report.failure_story(_report(summary=failed, log_dir=str(tmp_path)))
     assert story[0].startswith("failed: normal rid=r-1 status=500") and "could not be verified" in story[0]
     assert len(story) == 2 and "decode0-0.5.23 checksum:abort rid=r-1 KV digest could not be verified" in story[1]
