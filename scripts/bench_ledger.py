@@ -92,7 +92,7 @@ class Bench:
 
     # ---- one transfer on decode
     def transfer(self) -> None:
-        from sglang_harden.compat import lifecycle_v05
+        from sglang_harden.compat import lifecycle_v05, page_tags_v05
 
         n = self.args.tokens
         idx = self.alloc.alloc(n)
@@ -108,7 +108,7 @@ class Bench:
             transfer = node.finish(self.room)
             req = SimpleNamespace(rid="r", origin_input_ids=range(n), req_pool_idx=1, kv=None, prefix_indices=None)
             scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=self.table))
-            refused = lifecycle_v05.verify_page_tags(node, scheduler, req, transfer)
+            refused = page_tags_v05.verify_page_tags(node, scheduler, req, transfer)
             assert refused is None, refused.reason
         self.free_fn(self.alloc, torch.cat((idx, generated)))
 
@@ -165,7 +165,7 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
     ``after_transfer``: the vanilla unit (its KV copy) runs between the publish and the commit, as the KV bytes do
     in a server, so commit and free find their code and data evicted from the caches ("cold"); otherwise an
     untimed round of added work follows the vanilla unit and the timed round runs warm."""
-    from sglang_harden.compat import lifecycle_v05
+    from sglang_harden.compat import lifecycle_v05, page_tags_v05
 
     n = bench.args.tokens
     idx = bench.alloc.alloc(n)
@@ -191,7 +191,7 @@ def _hook_cost(bench: Bench, rounds: int, set_phase: Callable[[bool], None], aft
         vanilla = _vanilla_transfer_s(bench, set_phase) if after_transfer else 0.0
         t2 = time.perf_counter()
         transfer = node.finish(room)
-        assert lifecycle_v05.verify_page_tags(node, scheduler, req, transfer) is None
+        assert page_tags_v05.verify_page_tags(node, scheduler, req, transfer) is None
         t3 = time.perf_counter()
         assert node.keep_back(freed, mode) is None
         t4 = time.perf_counter()
@@ -227,7 +227,7 @@ def _cold_marginal(bench: Bench, rounds: int, node: Any, frees: tuple[Callable[.
     plus the hook (publish, finish + page tags, ledger release). Their difference is what the hook adds: the
     interpreter's re-entry into cold code, which ``transfer_after_kv_copy`` charges to the hooks, is paid here by
     whichever code runs first at that point, as in a server."""
-    from sglang_harden.compat import lifecycle_v05
+    from sglang_harden.compat import lifecycle_v05, page_tags_v05
 
     n = bench.args.tokens
     vanilla_free, hooked_free = frees
@@ -252,7 +252,7 @@ def _cold_marginal(bench: Bench, rounds: int, node: Any, frees: tuple[Callable[.
         t2 = time.perf_counter()
         bench.meta.get_buf(0)
         if hardened:
-            assert lifecycle_v05.verify_page_tags(node, scheduler, req, node.finish(room)) is None
+            assert page_tags_v05.verify_page_tags(node, scheduler, req, node.finish(room)) is None
         t3 = time.perf_counter()
         bench.kv_copy(idx)
         t4 = time.perf_counter()

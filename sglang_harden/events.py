@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections import Counter
+from typing import Any
 
 from sglang_harden.config import Mode
 from sglang_harden.guards.base import Decision
@@ -188,3 +189,24 @@ def reset_for_tests() -> None:
         _counts.clear()
         for tally in _tallies:
             tally.folded = tally.n
+
+
+# ---------------------------------------------------------------- the lifecycle guard's quarantine gauge
+
+GAUGE_NAME = "sglang_harden_quarantined_pages"
+_gauge: Any = None
+_gauge_failed = False
+
+
+def set_quarantined_pages(value: int) -> None:
+    """The pages this process holds back until their writer drains, on ``/metrics`` (where prometheus_client is)."""
+    global _gauge, _gauge_failed
+    if _gauge is None and not _gauge_failed:
+        try:
+            from prometheus_client import Gauge
+
+            _gauge = Gauge(GAUGE_NAME, "KV pages held back until their writer drains", multiprocess_mode="livesum")
+        except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a request
+            _gauge_failed = True
+    if _gauge is not None:
+        _gauge.set(value)

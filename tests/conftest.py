@@ -91,6 +91,7 @@ E2E_GROUP_MINUTES = {
     "test_lifecycle_e2e": 4.3,
     "test_incident": 3.0,
     "test_capacity_e2e": 2.8,
+    "test_mixed_pair_e2e": 3.0,
     "test_fail_closed_e2e": 2.0,
     "test_importhook_coexist_e2e": 1.5,
 }

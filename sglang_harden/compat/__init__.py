@@ -99,7 +99,6 @@ def reconfigure() -> None:
 
 
 def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
-    _warn_if_page_tags_unarmed(family_hooks)
     enabled = [h for h in family_hooks if _owner_enabled(h.owner)]
     for hook in enabled:
         hooks.register(hook)
@@ -110,21 +109,9 @@ def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
 def _owner_enabled(owner: str) -> bool:
     if owner == "bootstrap_auth":
         return control_auth.configured()  # no secret: nothing to check tokens against, not armed
-    if owner == "page_tags" and _page_ledger_off():
-        return False
+    if owner == hooks.PAGE_LEDGER_OWNER:  # the lifecycle hooks keep the ledger whenever that guard is on
+        return RUNTIME.config.page_tags is not Mode.OFF and RUNTIME.config.lifecycle is Mode.OFF
     return owner not in GUARDS or RUNTIME.config.mode(owner) is not Mode.OFF
-
-
-def _page_ledger_off() -> bool:
-    """page_tags reads the page ledger that the lifecycle guard's hooks keep: with lifecycle off, nothing to check."""
-    return RUNTIME.config.lifecycle is Mode.OFF
-
-
-def _warn_if_page_tags_unarmed(family_hooks: list[hooks.Hook]) -> None:
-    has_tags = any(h.owner == "page_tags" for h in family_hooks)
-    if has_tags and RUNTIME.config.page_tags is not Mode.OFF and _page_ledger_off():
-        logger.warning("sglang-harden: page_tags is NOT armed: it checks pages against the page ledger that the "
-                       "lifecycle guard keeps, and --harden-lifecycle is off")
 
 
 def _check_control_auth(family_hooks: list[hooks.Hook]) -> None:
@@ -156,7 +143,7 @@ def describe() -> dict[str, object]:
         "family": SUPPORTED_PINS.get(pin or ""),
         "supported": supported,
         "supported_pins": sorted(SUPPORTED_PINS),
-        "guards_supplied": sorted({h.owner for h in _family_hooks(pin)} - {"startup"}) if supported else [],
+        "guards_supplied": sorted({h.owner for h in _family_hooks(pin)} & set(GUARDS)) if supported else [],
         "guards_armed_here": list(RUNTIME.armed),
         "active_in_this_process": activation is not None,
         "hooks_in_place": installed,

@@ -29,6 +29,11 @@ class HookInstallError(RuntimeError):
     """A hook target is missing or changed shape on this SGLang pin."""
 
 
+# The owner of the hooks that keep decode's page ledger for the page-tag guard when the lifecycle guard (which
+# otherwise keeps it) is off: armed only then, so that each guard works without the other.
+PAGE_LEDGER_OWNER = "page_ledger"
+
+
 @dataclass(frozen=True)
 class Hook:
     owner: str

@@ -24,7 +24,6 @@ from sglang_harden.guards.lifecycle import LedgerError, PageLedger, PageState
 
 logger = logging.getLogger("sglang_harden")
 
-GAUGE_NAME = "sglang_harden_quarantined_pages"
 NEVER_STARTED_MEMORY = 65536
 PUBLISHED = allow(lifecycle.GUARD)  # made once: the ALLOW of a transfer's hot path
 FREE = int(PageState.FREE)
@@ -44,26 +43,6 @@ def _index_width(tensor: Any) -> bool | None:
 
         _INDEX_WIDTHS.update({torch.int64: True, torch.int32: False})
     return _INDEX_WIDTHS.get(tensor.dtype)
-
-
-# ---------------------------------------------------------------- evidence: quarantine gauge
-
-
-_gauge: Any = None
-_gauge_failed = False
-
-
-def _set_gauge(value: int) -> None:
-    global _gauge, _gauge_failed
-    if _gauge is None and not _gauge_failed:
-        try:
-            from prometheus_client import Gauge
-
-            _gauge = Gauge(GAUGE_NAME, "KV pages held back until their writer drains", multiprocess_mode="livesum")
-        except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a request
-            _gauge_failed = True
-    if _gauge is not None:
-        _gauge.set(value)
 
 
 # ---------------------------------------------------------------- decode node
@@ -242,7 +221,7 @@ class DecodeNode:
                             {"owner": owner, "pages": len(pages), "quarantined_total": self.ledger.quarantined_count(),
                              "addr": transfer.addr if transfer else None})
         events.record(decision, mode)
-        _set_gauge(self.ledger.quarantined_count())
+        events.set_quarantined_pages(self.ledger.quarantined_count())
 
     def _ask_for_drain_ack(self, owner: str) -> None:
         """Prefill acknowledges a drained room only after an ABORT from us: make sure one went out."""
@@ -282,7 +261,7 @@ class DecodeNode:
                 events.record(decision, Mode.ENFORCE)
                 self._forget(owner)
         if freed:
-            _set_gauge(self.ledger.quarantined_count())
+            events.set_quarantined_pages(self.ledger.quarantined_count())
         return freed
 
     def held_tokens(self) -> int:

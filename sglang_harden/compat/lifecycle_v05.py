@@ -39,25 +39,25 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from sglang_harden import events
 from sglang_harden.compat.abort_v05 import abort_and_stream
-from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
 from sglang_harden.compat.lifecycle_nodes import (
     PUBLISHED,
     DecodeNode,
     PrefillNode,
-    Transfer,
     _kv_poll,
 )
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.compat.shared import role_of
 from sglang_harden.config import Mode
-from sglang_harden.guards import lifecycle, page_tags
+from sglang_harden.guards import lifecycle
 from sglang_harden.guards.base import Decision, Verdict, allow
 
 logger = logging.getLogger("sglang_harden")
@@ -67,10 +67,6 @@ Func = Callable[..., Any]
 DECODE = "sglang.srt.disaggregation.decode"
 PREFILL = "sglang.srt.disaggregation.prefill"
 CONN = "sglang.srt.disaggregation.common.conn"
-MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
-NIXL = "sglang.srt.disaggregation.nixl.conn"
-# Transfer backends whose receiver/manager the ledger is fed from; any other backend refuses to start.
-BACKEND_MODULES = {"mooncake": MOONCAKE, "nixl": NIXL}
 SCHEDULER = "sglang.srt.managers.scheduler"
 ALLOC_TOKEN = "sglang.srt.mem_cache.allocator.token"
 ALLOC_PAGED = "sglang.srt.mem_cache.allocator.paged"
@@ -79,10 +75,8 @@ INVARIANTS = "sglang.srt.managers.scheduler_components.invariant_checker"
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 WINDOW_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
 # the ALLOW decisions of a transfer's hot path, made once (the hooks' log lines carry the room / rid)
-TAGS_OK = allow(page_tags.GUARD)
 PUBLISHED_TALLY = events.Tally(PUBLISHED)
 ADMITTED_TALLY = events.Tally(allow(lifecycle.GUARD))  # the quarantine door let a new request in
-TAGS_OK_TALLY = events.Tally(TAGS_OK)
 
 
 NODE: DecodeNode | PrefillNode | None = None
@@ -161,9 +155,11 @@ def _free_now(node: DecodeNode | PrefillNode, pages: list[int]) -> None:
 
 def _scheduler_init(original: Func) -> Func:
     def init(self: Any, server_args: Any, port_args: Any, *args: Any, **kwargs: Any) -> Any:
-        _process_env(str(getattr(server_args, "disaggregation_mode", "null")))
+        ledger_only = RUNTIME.config.lifecycle is Mode.OFF  # armed for the page-tag guard alone
+        if not ledger_only:
+            _process_env(str(getattr(server_args, "disaggregation_mode", "null")))
         result = original(self, server_args, port_args, *args, **kwargs)
-        _make_node(self)
+        _make_node(self, ledger_only)
         return result
 
     return init
@@ -181,10 +177,13 @@ def _process_env(mode: str) -> None:
         os.environ[WINDOW_ENV] = str(window)
 
 
-def _make_node(scheduler: Any) -> None:
+def _make_node(scheduler: Any, ledger_only: bool = False) -> None:
+    """The role's node; ``ledger_only`` (lifecycle off, page tags on): decode's ledger only, no prefill node."""
     global NODE
 
     role = role_of(scheduler)
+    if ledger_only and role != "decode":
+        return
     allocator = scheduler.token_to_kv_pool_allocator
     if role == "decode":
         NODE = DecodeNode.for_allocator(allocator, RUNTIME.config.quarantine_cap_pages)
@@ -235,87 +234,6 @@ def _commit_finishes_transfer(original: Func) -> Func:
         return original(self, decode_req)
 
     return commit
-
-
-def _commit_with_tags(original: Func) -> Func:
-    """After the commit (the lifecycle wrapper inside has finished the transfer), check the page table."""
-
-    def commit(self: Any, decode_req: Any) -> Any:
-        node = NODE
-        req = decode_req.req
-        result = original(self, decode_req)
-        transfer = getattr(decode_req, TRANSFER_ATTR, None)
-        if transfer is None or _aborted(req):
-            return result
-        refused = verify_page_tags(node, self.scheduler, req, transfer)  # type: ignore[arg-type]
-        if refused is not None:
-            from sglang.srt.disaggregation.utils import prepare_abort
-
-            prepare_abort(req, "sglang-harden page ownership check failed: " + refused.reason,
-                          status_code=refused.status_code or 500)
-        return result
-
-    return commit
-
-
-def verify_page_tags(node: DecodeNode, scheduler: Any, req: Any, transfer: Transfer) -> Decision | None:
-    """Check and count the page tags of a committed request; the decision when it must be aborted."""
-    decision = check_request_pages(node, scheduler, req, transfer)
-    mode = RUNTIME.config.page_tags
-    if decision is TAGS_OK:
-        TAGS_OK_TALLY.bump(mode, room=transfer.room, rid=req.rid)
-        return None
-    return decision if events.record(decision, mode, room=transfer.room, rid=req.rid) else None
-
-
-def check_request_pages(node: DecodeNode, scheduler: Any, req: Any, transfer: Transfer) -> Decision:
-    """Page tags over the request's page table (prompt rows), its own cached prefix allowed."""
-    pool_idx = _pool_idx(req)
-    length = len(req.origin_input_ids)
-    if pool_idx is None or length <= 0:
-        return allow(page_tags.GUARD, rid=str(req.rid), pages=0)
-    table = scheduler.req_to_token_pool.req_to_token
-    prefix = getattr(req, "prefix_indices", None)
-    prefix_pages: list[int] = []
-    if prefix is not None and len(prefix) > 0:
-        prefix_pages = lifecycle.distinct(_pages_of(prefix, node.page_size)).tolist()
-    else:  # a page repeats per token in the table: fine here
-        view = node.table_view
-        if view is not None and view[0] is table:  # a CPU table: read in place
-            owned = node.ledger.row_owned_written(transfer.owner, transfer.generation, view[1], pool_idx, length,
-                                                  node.page_size)
-        else:
-            owned = node.ledger.all_owned_written(transfer.owner, transfer.generation,
-                                                  _page_table_rows(node, table, pool_idx, length), node.page_size)
-        if owned:
-            return TAGS_OK
-    rows = _page_table_rows(node, table, pool_idx, length).astype(np.int64)
-    pages = rows // node.page_size if node.page_size > 1 else rows
-    return page_tags.check_page_table(node.ledger, transfer.owner, transfer.generation,
-                                      lifecycle.distinct(pages).tolist(), prefix_pages)
-
-
-def _page_table_rows(node: DecodeNode, table: Any, pool_idx: int, length: int) -> np.ndarray:
-    """``table[pool_idx, :length]`` as int numpy (the table's dtype); a CPU page table is read through a numpy
-    view made once."""
-    view = node.table_view
-    if view is None or view[0] is not table:
-        try:
-            node.table_view = view = (table, table.numpy())
-        except (TypeError, RuntimeError):  # a CUDA page table: read the row through torch
-            return _pages_of(table[pool_idx, :length], 1)
-    return view[1][pool_idx, :length]
-
-
-def _pool_idx(req: Any) -> int | None:
-    kv = getattr(req, "kv", None)
-    idx = getattr(kv, "req_pool_idx", None) if kv is not None else None
-    return idx if idx is not None else getattr(req, "req_pool_idx", None)
-
-
-def _aborted(req: Any) -> bool:
-    reason = getattr(req, "finished_reason", None)
-    return reason is not None and type(reason).__name__ == "FINISH_ABORT"
 
 
 def _confirmations_first(original: Func) -> Func:
@@ -473,83 +391,7 @@ def _account_held_pages(original: Func) -> Func:
     return check
 
 
-# ---------------------------------------------------------------- bounded transfer window (pins without the env)
-
-
-def _send_kvcache(original: Func) -> Func:
-    """Bounded transfer window (pins without the env) and failed-write tracking (every pin)."""
-
-    def send_kvcache(self: Any, mooncake_session_id: str, prefill_kv_indices: Any, dst_kv_ptrs: Any,
-                     dst_kv_indices: Any, executor: Any, *args: Any, **kwargs: Any) -> Any:
-        status = _send_windows(original, self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
-                               dst_kv_indices, executor, *args, **kwargs)
-        node = NODE
-        if status != 0 and isinstance(node, PrefillNode):
-            node.note_failed_write(_rooms_in_flight(self, mooncake_session_id))
-        return status
-
-    return send_kvcache
-
-
-def _send_windows(original: Func, mgr: Any, session: str, src: Any, ptrs: Any, dst: Any, executor: Any,
-                  *args: Any, **kwargs: Any) -> Any:
-    window = RUNTIME.config.transfer_window_pages
-    if window <= 0 or hasattr(mgr, "max_transfer_batch_indices") or len(src) <= window:
-        return original(mgr, session, src, ptrs, dst, executor, *args, **kwargs)
-    for start in range(0, len(src), window):
-        end = start + window
-        status = original(mgr, session, src[start:end], ptrs, dst[start:end], executor, *args, **kwargs)
-        if status != 0:
-            return status
-    return 0
-
-
-def _nixl_send_kvcache(original: Func) -> Func:
-    """NIXL raises when the post of a KV transfer fails; the request may have been posted in part, so its bytes
-    may still land in decode's pages (0.5.23 says so itself and poisons the room's drain ack, but NIXL rooms were
-    never marked as failed writes here, so decode's quarantine had no way out)."""
-
-    def send_kvcache(self: Any, peer_name: str, prefill_kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, peer_name, prefill_kv_indices, *args, **kwargs)
-        except Exception:
-            node = NODE
-            if isinstance(node, PrefillNode):
-                node.kv_mgr = node.kv_mgr or self
-                node.note_failed_write(_rooms_in_flight(self, peer_name))
-            raise
-
-    return send_kvcache
-
-
-def _failure_with_drain_evidence(original: Func) -> Func:
-    """0.5.19's transfer worker fails every room queued for a decode session it has just marked failed, without
-    writing anything of them. Decode cannot tell those rooms from the one whose write failed, so it quarantined
-    all of them until a drain ack came back (a dozen rooms at once on a busy node). The worker that fails a room
-    with no write of it in flight now sends the drain ack first, on the same socket as the failure, so decode
-    frees the pages at once; a room whose write failed gets no ack here (its ack waits for the write lifetime)."""
-
-    def sync_status(self: Any, remote: str, dst_port: int, room: int, status: int, *args: Any, **kwargs: Any) -> Any:
-        node = NODE
-        if (isinstance(node, PrefillNode) and status == _kv_poll().failed and not getattr(self, "enable_staging", False)
-                and node.failed_without_write_in_flight(int(room))):
-            _send_drain_evidence(self, remote, dst_port, int(room))
-        return original(self, remote, dst_port, room, status, *args, **kwargs)
-
-    return sync_status
-
-
-def _send_drain_evidence(mgr: Any, decode_ip: str, decode_port: int, room: int) -> None:
-    """SGLang's own drain ack, past :func:`_withhold_ack` (which waits for the worker's chunk to be counted
-    done: the worker sending this is that chunk, and it wrote nothing)."""
-    send_ack = inspect.unwrap(type(mgr)._send_abort_ack)
-    try:
-        send_ack(mgr, decode_ip, decode_port, room)
-    except Exception as exc:  # noqa: BLE001 - decode then quarantines the pages and asks for the ack itself
-        logger.warning("sglang-harden lifecycle: drain ack with the failure of room %s not sent: %r", room, exc)
-        return
-    events.record(Decision(lifecycle.GUARD, Verdict.RELEASE, "room failed with no write of it in flight: drain "
-                           "ack sent with the failure", None, {"room": room}), Mode.ENFORCE)
+# ---------------------------------------------------------------- failed writes and drain acks (prefill)
 
 
 def _keep_poisoned_target(original: Func) -> Func:
@@ -576,83 +418,6 @@ def _keep_ack_targets(node: PrefillNode, room: int, targets: dict[Any, Any]) -> 
     merged = dict(node.orphan_targets.get(room) or {})
     merged.update(targets)
     node.orphan_targets[room] = merged
-
-
-def _rooms_in_flight(mgr: Any, session: str) -> list[int]:
-    """Rooms of ``session`` with a chunk dequeued by a transfer worker right now (the one whose write failed).
-    ``session``: Mooncake's session id or NIXL's peer agent name (both key a room's ``transfer_infos``)."""
-    outstanding = getattr(mgr, "_staging_outstanding", {})
-    return [room for room, infos in list(mgr.transfer_infos.items())
-            if session in infos and outstanding.get(room, 0) > 0]
-
-
-# Pins (per backend) whose prefill answers a decode abort notice for a room that already concluded (Success, or
-# cleared) with a drain ack only when no chunk of the room is counted in flight, and otherwise with nothing: no ack
-# then, and no target kept for the worker to ack later, so decode's quarantine of the room never ends. Later pins
-# keep the target whenever a chunk is still counted.
-DROPS_ACK_OF_CONCLUDED_ROOM: dict[str, tuple[str, ...]] = {"mooncake": ("0.5.19", "0.5.20"),
-                                                            "nixl": ("0.5.19", "0.5.20", "0.5.21")}
-ABORT_TAG = b"ABORT"
-
-
-def _note_abort_notice(mgr: Any, backend: str, msg: Sequence[bytes]) -> None:
-    """Keep the drain-ack target of an abort notice SGLang is about to drop (see DROPS_ACK_OF_CONCLUDED_ROOM); the
-    ack goes out once the room settled (:meth:`PrefillNode.settle_pending`)."""
-    node = NODE
-    if not isinstance(node, PrefillNode) or RUNTIME.pin not in DROPS_ACK_OF_CONCLUDED_ROOM.get(backend, ()):
-        return
-    notice = _abort_notice(msg)
-    if notice is None or not getattr(mgr, "enable_deferred_decode_kv_release", False):
-        return
-    room, decode_ip, decode_port = notice
-    concluded = room not in mgr.request_status or mgr.check_status(room) == _kv_poll().success
-    if concluded and mgr._staging_outstanding.get(room, 0) > 0:
-        node.kv_mgr = node.kv_mgr or mgr
-        node.orphan_targets[room] = (decode_ip, decode_port)
-
-
-def _abort_notice(msg: Sequence[bytes]) -> tuple[int, str, int] | None:
-    """(room, decode ip, decode port) of a decode abort notice carrying its ack target; None for anything else."""
-    if len(msg) < 4 or msg[0] != ABORT_TAG:
-        return None
-    try:
-        return int(msg[1].decode("ascii")), msg[2].decode("ascii"), int(msg[3].decode("ascii"))
-    except (ValueError, UnicodeDecodeError):
-        return None  # SGLang logs and drops a malformed notice itself
-
-
-def _nixl_abort_notice(original: Func) -> Func:
-    def handle_abort_notification(self: Any, msg: Any, *args: Any, **kwargs: Any) -> Any:
-        _note_abort_notice(self, "nixl", msg)
-        return original(self, msg, *args, **kwargs)
-
-    return handle_abort_notification
-
-
-class _NoticeWatchingSocket:
-    """Mooncake's prefill bootstrap socket, as its listener thread reads it (on the pins listed in
-    DROPS_ACK_OF_CONCLUDED_ROOM the thread handles abort notices inline, with no method to hook)."""
-
-    def __init__(self, socket: Any, mgr: Any):
-        self._socket, self._mgr = socket, mgr
-
-    def recv_multipart(self, *args: Any, **kwargs: Any) -> Any:
-        msg = self._socket.recv_multipart(*args, **kwargs)
-        _note_abort_notice(self._mgr, "mooncake", msg)
-        return msg
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._socket, name)
-
-
-def _mooncake_abort_notices(original: Func) -> Func:
-    def start_prefill_thread(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if RUNTIME.pin in DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"] and not isinstance(self.server_socket,
-                                                                                     _NoticeWatchingSocket):
-            self.server_socket = _NoticeWatchingSocket(self.server_socket, self)
-        return original(self, *args, **kwargs)
-
-    return start_prefill_thread
 
 
 def _withhold_ack(original: Func) -> Func:
@@ -686,37 +451,36 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self",), _paged_release),
     Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
-    Hook("lifecycle", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
-    Hook("lifecycle", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), _send_metadata),
     Hook("lifecycle", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _confirmations_first),
     Hook("lifecycle", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"), _quarantine_door),
     Hook("lifecycle", CONN, "CommonKVManager.note_abort_ack", ("self", "bootstrap_room", "prefill_rank"),
          _note_ack),
     Hook("lifecycle", CONN, "CommonKVManager._handle_node_failure", ("self", "failed_bootstrap_addr"),
          _note_gone),
-    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
-         _hold_sources),
-    Hook("lifecycle", NIXL, "NixlKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
-         _hold_sources),
     Hook("lifecycle", PREFILL, "SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
          ("self",), _settle_after_inflight),
-    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.send_kvcache",
-         ("self", "mooncake_session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor"),
-         _send_kvcache),
-    Hook("lifecycle", NIXL, "NixlKVManager.send_kvcache", ("self", "peer_name", "prefill_kv_indices"),
-         _nixl_send_kvcache),
     Hook("lifecycle", CONN, "CommonKVManager._send_abort_ack", ("self",), _withhold_ack),
-    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.start_prefill_thread", ("self",), _mooncake_abort_notices),
-    Hook("lifecycle", NIXL, "NixlKVManager._handle_abort_notification", ("self", "msg"), _nixl_abort_notice),
     Hook("lifecycle", CONN, "CommonKVSender.clear", ("self",), _keep_ack_target),
     Hook("lifecycle", CONN, "CommonKVManager.register_deferred_ack_target", ("self", "room"), _capture_ack_target),
     Hook("lifecycle", INVARIANTS, "SchedulerInvariantChecker._check_pool_invariant",
          ("pool_name", "available", "evictable", "protected", "session_held", "total"), _account_held_pages),
     Hook("lifecycle", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _commit_finishes_transfer),
-    Hook("page_tags", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
-         _commit_with_tags),
 ]
+
+# With the lifecycle guard off, the page-tag guard still needs decode's page ledger: these hooks keep it, armed under
+# their own owner only then. Lifecycle's decisions stay off (mode off releases every freed page at once, changes no
+# SGLang setting and makes no prefill node).
+LEDGER_TARGETS = ("Scheduler.__init__", "TokenToKVPoolAllocator.free", "PagedTokenToKVPoolAllocator._release_page_ids",
+                  "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata",
+                  "DecodeTransferQueue._commit_transfer_to_req")
+
+
+def ledger_hooks(lifecycle_hooks: list[Hook]) -> list[Hook]:
+    """The page-tag guard's copies of the ledger-keeping lifecycle hooks (the backends' receivers included)."""
+    return [replace(hook, owner=PAGE_LEDGER_OWNER) for hook in lifecycle_hooks
+            if hook.owner == "lifecycle" and hook.qualname in LEDGER_TARGETS]
+
 
 # Pins whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it).
 POISONS_UNDRAINED_ROOMS = ("0.5.22", "0.5.23")
@@ -726,32 +490,10 @@ POISON_HOOKS = [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_roo
                      _keep_poisoned_target)]
 
 
-# Pins whose Mooncake transfer worker tells decode of a room's status itself, one endpoint at a time (later pins
-# conclude a room through CommonKVManager).
-SYNCS_STATUS_PER_ENDPOINT = ("0.5.19",)
-
-EVIDENCE_HOOKS = [Hook("lifecycle", MOONCAKE, "MooncakeKVManager.sync_status_to_decode_endpoint",
-                       ("self", "remote", "dst_port", "room", "status"), _failure_with_drain_evidence)]
-
-
 def pin_hooks() -> list[Hook]:
     """Hooks only some pins of the family have targets for (merged into sglang_v05.HOOKS)."""
-    return ((POISON_HOOKS if RUNTIME.pin in POISONS_UNDRAINED_ROOMS else [])
-            + (EVIDENCE_HOOKS if RUNTIME.pin in SYNCS_STATUS_PER_ENDPOINT else []))
+    return POISON_HOOKS if RUNTIME.pin in POISONS_UNDRAINED_ROOMS else []
 
 
-ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"}}
-
-
-def needed_on_backend(hook: Hook, backend: str) -> bool:
-    """A hook into one transfer backend's module is needed only in processes that use that backend."""
-    return hook.module not in BACKEND_MODULES.values() or hook.module == BACKEND_MODULES.get(backend)
-
-
-def check_backend(role: str, backend: str) -> str | None:
-    """Why the lifecycle guards cannot run on ``backend`` (None: they can)."""
-    if role not in ("prefill", "decode") or RUNTIME.config.lifecycle is Mode.OFF or backend in BACKEND_MODULES:
-        return None
-    return (f"sglang-harden page lifecycle supports the {'/'.join(BACKEND_MODULES)} transfer backends, not "
-            f"{backend!r}; use one of those or start with --harden-lifecycle off (the page ledger then does not "
-            "guard against late writes)")
+ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"},
+                              PAGE_LEDGER_OWNER: {"decode"}}

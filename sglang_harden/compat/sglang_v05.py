@@ -12,10 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import control_auth, hook_timer, kv_canary, kv_digest, lifecycle_v05
+from sglang_harden.compat import control_auth, hook_timer, kv_canary, kv_digest, lifecycle_v05, page_tags_v05
 from sglang_harden.compat.abort_v05 import abort_and_stream, is_aborted
+from sglang_harden.compat.backends import MOONCAKE, NIXL, check_backend, needed_on_backend
+from sglang_harden.compat.backends import mooncake as mooncake_backend
+from sglang_harden.compat.backends import nixl as nixl_backend
 from sglang_harden.compat.hooks import Hook, missing
-from sglang_harden.compat.lifecycle_v05 import MOONCAKE, NIXL
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
@@ -229,13 +231,19 @@ def _family_report() -> dict[str, Any]:
 
 def _needed_here(hook: Hook, role: str, backend: str) -> bool:
     in_role = role in ROLES_BY_OWNER.get(hook.owner, {role})
-    return in_role and in_scheduler(hook) and lifecycle_v05.needed_on_backend(hook, backend)
+    return in_role and in_scheduler(hook) and needed_on_backend(hook, backend)
+
+
+def _guards_needing_a_backend(role: str) -> list[str]:
+    """The guards armed in this role that read ledgers the backends' hooks keep."""
+    wanted = [("lifecycle", {"prefill", "decode"}), ("page_tags", {"decode"})]
+    return [guard for guard, roles in wanted if guard in RUNTIME.armed and role in roles]
 
 
 def _verify_in_process(role: str, backend: str) -> None:
     from sglang_harden.compat.hooks import registered_hooks
 
-    unsupported = lifecycle_v05.check_backend(role, backend)
+    unsupported = check_backend(role, backend, _guards_needing_a_backend(role))
     if unsupported:
         raise HardenRefusal(unsupported)
     needed = [h for h in registered_hooks() if _needed_here(h, role, backend)]
@@ -265,6 +273,10 @@ def _retired_result_hooks() -> list[Hook]:
     return RETIRED_RESULT_HOOKS if RUNTIME.pin in RETIRES_ABORTED_RESULT else []
 
 
+
+# The page lifecycle's and page tags' hooks: the common ones, then each transfer backend's.
+LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *lifecycle_v05.pin_hooks(), *mooncake_backend.HOOKS,
+                               *mooncake_backend.pin_hooks(), *nixl_backend.HOOKS]
 
 HOOKS: list[Hook] = [
     Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"),
@@ -310,8 +322,9 @@ HOOKS: list[Hook] = [
     Hook("startup", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_started),
     Hook("startup", SCHEDULER, "Scheduler.get_internal_state", ("self", "recv_req"),
          report_state(_family_report)),
-    *lifecycle_v05.HOOKS,
-    *lifecycle_v05.pin_hooks(),
+    *LIFECYCLE_HOOKS,
+    *page_tags_v05.HOOKS,
+    *lifecycle_v05.ledger_hooks(LIFECYCLE_HOOKS),
 ]
 
 # Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).
@@ -332,4 +345,4 @@ MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learn
 
 # Hooks whose targets only some releases of the family have; HOOKS takes them by pin (above). `compat sweep`
 # probes every release for them.
-OPTIONAL_HOOKS: list[Hook] = [*RETIRED_RESULT_HOOKS, *lifecycle_v05.POISON_HOOKS, *lifecycle_v05.EVIDENCE_HOOKS]
+OPTIONAL_HOOKS: list[Hook] = [*RETIRED_RESULT_HOOKS, *lifecycle_v05.POISON_HOOKS, *mooncake_backend.EVIDENCE_HOOKS]

@@ -6,12 +6,9 @@ and is let go before the writer drained goes to QUARANTINED, and leaves it only 
 ``confirm_drained(owner)``. Generations come from one counter per ledger, so a page's generation alone names
 exactly one reservation (and with it the owner).
 
-Each call says who owns what afterwards through its return value (pages to free, pages to quarantine), in the
-way vLLM's KV connectors return whether they now own freeing blocks. Storage is three ``array`` columns indexed
-by page; every operation costs O(pages touched). The ``*_bulk`` operations (a host's hot path, over numpy page
-arrays) first try one call into the native ledger library (:mod:`sglang_harden.kernels.ledger_native`), which
-does only an operation's usual case and otherwise writes nothing; the numpy path then applies the rules to every
-case. The lifecycle guard (:mod:`.lifecycle`) decides when a writer drained; the page-tag guard reads the ledger.
+Each call returns who owns what afterwards (pages to free, to quarantine). Storage: three ``array`` columns by
+page, O(pages touched) per call. The ``*_bulk`` operations (numpy, the hot path) first try the native library
+(:mod:`sglang_harden.kernels.ledger_native`), which does only the usual case and otherwise writes nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +23,9 @@ from sglang_harden.guards.base import Decision, Verdict, allow
 from sglang_harden.kernels.ledger_native import DONE as _DONE
 from sglang_harden.kernels.ledger_native import NOT_HANDLED as _NOT_HANDLED
 from sglang_harden.kernels.ledger_native import LedgerOps, ledger_library
+from sglang_harden.kernels.page_arrays import distinct
+from sglang_harden.kernels.page_arrays import no_pages as _no_pages
+from sglang_harden.kernels.page_arrays import numpy_module as _numpy
 
 GUARD = "lifecycle"
 NO_OWNER = -1
@@ -472,39 +472,6 @@ class PageLedger:
             if count >= 0:
                 return count > 0
         return bool(_numpy().count_nonzero(self._np_columns()[1][pages] == owner_id))
-
-
-def _numpy() -> Any:
-    import numpy
-
-    return numpy
-
-
-_NO_PAGES: list[Any] = []
-
-
-def _no_pages() -> Any:
-    """A shared empty int64 numpy array (nothing refused): cheaper than slicing the caller's array."""
-    if not _NO_PAGES:
-        np = _numpy()
-        empty = np.empty(0, dtype=np.int64)
-        empty.flags.writeable = False
-        _NO_PAGES.append(empty)
-    return _NO_PAGES[0]
-
-
-def distinct(pages: Any) -> Any:
-    """The distinct values of an int numpy array, sorted (``numpy.unique`` without its per-call overhead, which
-    dominates for the few hundred pages of one request)."""
-    import numpy as np
-
-    if pages.size < 2:
-        return pages
-    ordered = np.sort(pages)
-    first = np.empty(ordered.size, dtype=bool)
-    first[0] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return ordered if np.count_nonzero(first) == first.size else ordered[first]
 
 
 def default_quarantine_cap(num_pages: int) -> int:

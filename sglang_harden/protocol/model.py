@@ -12,9 +12,8 @@ and "stuck until timeout" when only timeouts are enabled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sglang_harden.protocol.policies import VanillaPolicy
+from sglang_harden.protocol.properties import PROPERTIES, Violation  # noqa: F401 - the model's public names
 from sglang_harden.protocol.world import (
     CLIENT_ABORTED,
     D_DONE,
@@ -51,26 +50,6 @@ TIMEOUTS = frozenset({"decode_timeout", "prefill_timeout"})
 EXTERNAL = TIMEOUTS | {"client_abort", "prefill_disconnect", "transfer_fail", "fault_misown", "lifetime_expires",
                       "ack_lost", "sender_gone"}
 CLIENT_GONE = 499
-
-PROPERTIES = {
-    "stale_read": "no stale read: a decode step never reads KV a page's previous owner left behind",
-    "late_write_read": "no foreign read: a decode step never reads KV another request's late write put there",
-    "source_reuse_read": "no foreign read: a transfer never carries KV from a prefill page reused under it",
-    "unwritten_read": "no read of a page this request's transfer never wrote (uninitialised rows)",
-    "double_free": "no page freed twice",
-    "leak_at_quiesce": "no page leaked at quiesce (both pools full, quarantine empty)",
-    "rejected_completed": "every rejected request gets an error and no completion",
-    "rejected_allocated": "a node never bootstraps or allocates for a request it has already rejected",
-    "aborted_pages_held": "every aborted request frees or quarantines all of its pages",
-    "stuck_until_timeout": "nothing waits for a timeout: when only timeouts are enabled, all requests ended",
-}
-
-
-@dataclass(frozen=True)
-class Violation:
-    prop: str
-    detail: str
-
 
 CROSSED = 1000
 

@@ -329,3 +329,19 @@ def summarize(
         "rounds": [r.to_dict() for r in rounds],
         "log_dir": str(log_dir),
     }
+
+
+TOO_LONG = "exceeds the maximum allowed length"
+
+
+def assert_b_refused_at_both_doors(rnd: RoundResult, bound_s: float) -> None:
+    """Tenant B refused by prefill with its original "too long" 400, and decode answering the same within
+    ``bound_s`` (told, not timed out), with no completion and no row of A's KV read."""
+    b = rnd.b
+    assert b.prefill.status == 400, b.prefill.summary()
+    assert TOO_LONG in b.prefill.error_message()
+    assert b.decode.status == 400, b.decode.summary()
+    assert TOO_LONG in b.decode.error_message(), b.decode.error_message()
+    assert b.decode.elapsed_s < bound_s, f"decode answered B after {b.decode.elapsed_s:.1f}s"
+    assert not b.decode.output_ids
+    assert rnd.a_rows_read_by_b == 0

@@ -28,8 +28,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sglang_harden.compat.hooks import Hook
-from sglang_harden.compat.lifecycle_v05 import BACKEND_MODULES, CONN
+from sglang_harden.compat.backends import BACKEND_MODULES
+from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
+from sglang_harden.compat.lifecycle_v05 import CONN
 from sglang_harden.config import GUARDS
 
 FAMILIES = ("sglang_v05", "sglang_v049")
@@ -39,6 +40,8 @@ HOOKABLE, NEEDS_PATCH, IMPOSSIBLE = "hookable", "needs a patch", "impossible"
 NOT_IN_ADAPTER = "the {} adapter has no hooks for this guard"
 # "startup" is not a guard: its hooks (scheduler start, state report) are what lets the plugin run at all.
 OWNERS = ("startup", *GUARDS)
+# Hook owners that are part of a guard: page_tags alone needs the hooks that keep decode's page ledger.
+OWNED_BY = {"page_tags": ("page_tags", PAGE_LEDGER_OWNER)}
 # Guards whose hooks also need a module-level name in place (the signing client replaces `requests` there).
 NEEDS_REQUESTS_IN = {"bootstrap_auth": CONN}
 
@@ -109,7 +112,7 @@ def _find(tree: Any, module: str, qualname: str) -> Any:
 
 
 def judge_guard(tree: Any, guard: str, hooks: list[Hook]) -> GuardVerdict:
-    mine = [h for h in hooks if h.owner == guard]
+    mine = [h for h in hooks if h.owner in OWNED_BY.get(guard, (guard,))]
     core = [p for h in mine if h.module not in BACKEND_MODULES.values() and (p := hook_problem(tree, h))]
     needs_requests = NEEDS_REQUESTS_IN.get(guard)
     if needs_requests and "import requests" not in tree.text(needs_requests):

@@ -15,22 +15,37 @@ tokens) then tenant B (300 tokens; prefill's limit 250, decode's 394). In both p
   is accepted by the other's check.
 Before this wire format was shared, a patched prefill's notice never reached a plugin decode (B waited out the
 30 s timeout and got a 500) and each side's coverage check refused the other's transfers.
+
+The plugin decode beside the patched prefill runs with ``--harden-lifecycle off`` (its prefill has no lifecycle
+patch and sends no drain acks, so an operator turns decode's quarantine off) and page tags on: the page-tag guard
+keeps its own page ledger then (issue 16; it used to be unarmed without lifecycle). Last, SGLang's own page table
+of one request is pointed at a free page (test-only ``kvfault`` ``table``): page tags refuse it (500) before the
+first decode step.
 """
 
 from __future__ import annotations
 
-import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.decisions import decision_lines
-from sglang_harden.testbed.incident import KVTRACE_ENV, WAITING_TIMEOUT_ENV, IncidentSetup, RoundResult, run_round
+from sglang_harden.testbed.incident import (
+    KVTRACE_ENV,
+    WAITING_TIMEOUT_ENV,
+    IncidentSetup,
+    RoundResult,
+    assert_b_refused_at_both_doors,
+    run_round,
+    tenant_a_prompt,
+)
+from sglang_harden.testbed.memo import run_once
 from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.pd_topology import PDPair
-from sglang_harden.testbed.server import ACTIVATE_ENV, SECRET_FILE_ENV
+from sglang_harden.testbed.server import ACTIVATE_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +57,9 @@ TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_S = 5.0
 STARTUP_TIMEOUT_S = 1800.0  # server starts take many minutes on a shared 2-core machine
 PLUGIN_ON = {ACTIVATE_ENV: "1"}
+TABLE_ROOM = 993_000_001
+# the plugin decode beside a patched prefill: lifecycle off, page tags on, and the page-table fault for one room
+TAGS_ALONE = {"SGLANG_HARDEN_LIFECYCLE": "off", "SGLANG_HARDEN_TESTBED_KV_FAULT": f"table:{TABLE_ROOM}"}
 _runs: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -49,18 +67,12 @@ def _progress(msg: str) -> None:
     print(f"[mixed-pair] {msg}", file=sys.stderr, flush=True)
 
 
-def _secret_file(log_dir: Path) -> Path:
-    path = log_dir / "bootstrap.secret"
-    path.write_text(secrets.token_hex(32) + "\n")
-    path.chmod(0o600)
-    return path
-
-
 def _run(pin: str, variant: str, log_dir: Path, tree: Path) -> dict[str, Any]:
     patched = {**patched_env(tree)}
-    prefill_env, decode_env = (patched, PLUGIN_ON) if variant == "patched-prefill" else (PLUGIN_ON, patched)
-    env = {WAITING_TIMEOUT_ENV: str(SETUP.waiting_timeout_s), "SGLANG_HARDEN_CAPACITY": "log",
-           SECRET_FILE_ENV: str(_secret_file(log_dir))}
+    prefill_env, decode_env = ((patched, {**PLUGIN_ON, **TAGS_ALONE}) if variant == "patched-prefill"
+                               else (PLUGIN_ON, patched))
+    # no secret file set here: the testbed gives every server its control-plane secret (server.testbed_secret)
+    env = {WAITING_TIMEOUT_ENV: str(SETUP.waiting_timeout_s), "SGLANG_HARDEN_CAPACITY": "log"}
     _progress(f"{pin} {variant}: starting pair (logs {log_dir})")
     pair = PDPair(
         pin, prefill_max_total_tokens=SETUP.prefill_max_total_tokens,
@@ -76,29 +88,29 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path) -> dict[str, Any]:
             b = rounds[-1].b
             _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
                       f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
+        table = None
+        if variant == "patched-prefill":  # last: the fault leaves decode's pool inconsistent
+            table = pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
+                                  timeout=SETUP.waiting_timeout_s + 120)
         logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
+        armed = {"prefill": pair.prefill.armed_schedulers(), "decode": pair.decode.armed_schedulers()}
     finally:
         pair.stop()
-    return {"rounds": rounds, "logs": logs}
+    return {"rounds": rounds, "logs": logs, "table": table, "armed": armed}
 
 
 @pytest.fixture(scope="module")
 def mixed(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     trees: dict[str, Path] = {}
 
+    def make(pin: str, variant: str) -> dict[str, Any]:
+        if pin not in trees:
+            trees[pin] = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}"))
+        return _run(pin, variant, tmp_path_factory.mktemp(f"{variant}-{pin}"), trees[pin])
+
     def get(pin: str, variant: str) -> dict[str, Any]:
         require_pin(pin)
-        key = (pin, variant)
-        if key not in _runs:  # one start per variant: a failed start is remembered, never retried
-            try:
-                if pin not in trees:
-                    trees[pin] = patched_tree(pin, tmp_path_factory.mktemp(f"tree-{pin}"))
-                _runs[key] = _run(pin, variant, tmp_path_factory.mktemp(f"{variant}-{pin}"), trees[pin])
-            except Exception as exc:  # noqa: BLE001 - re-raised for every test that needs this run
-                _runs[key] = {"error": exc}
-        if "error" in _runs[key]:
-            raise _runs[key]["error"]
-        return _runs[key]
+        return run_once(_runs, (pin, variant), lambda: make(pin, variant))
 
     return get
 
@@ -107,14 +119,7 @@ def mixed(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.parametrize("pin", PINS)
 def test_decode_hears_the_other_worlds_rejection(mixed: Any, pin: str, variant: str) -> None:
     for rnd in mixed(pin, variant)["rounds"]:
-        b = rnd.b
-        assert b.prefill.status == 400, b.prefill.summary()
-        assert TOO_LONG in b.prefill.error_message()
-        assert b.decode.status == 400, b.decode.summary()
-        assert TOO_LONG in b.decode.error_message(), b.decode.error_message()
-        assert b.decode.elapsed_s < PROMPT_S, f"decode answered B after {b.decode.elapsed_s:.1f}s"
-        assert not b.decode.output_ids
-        assert rnd.a_rows_read_by_b == 0
+        assert_b_refused_at_both_doors(rnd, PROMPT_S)
 
 
 @pytest.mark.parametrize("pin", PINS)
@@ -125,6 +130,7 @@ def test_each_side_ran_its_own_world(mixed: Any, pin: str) -> None:
     one, other = mixed(pin, "patched-prefill")["logs"], mixed(pin, "plugin-prefill")["logs"]
     for patched_log in (one["prefill"], other["decode"]):
         assert "KV pool too small for the configured context" in patched_log
+        assert "pd_auth: PD control plane authenticated (enforce mode, 1 secret(s))" in patched_log
         assert not decision_lines(patched_log)
     told = [d for d in decision_lines(one["decode"])
             if d.get("guard") == "abort_notify" and d.get("decision") == "abort"]
@@ -143,3 +149,17 @@ def test_normal_requests_pass_both_coverage_checks(mixed: Any, pin: str) -> None
             assert len(rnd.a.decode.output_ids or []) == SETUP.new_tokens
         outputs.append([rnd.a.decode.output_ids for rnd in mixed(pin, variant)["rounds"]])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_page_tags_guard_alone_with_lifecycle_off(mixed: Any, pin: str) -> None:
+    run = mixed(pin, "patched-prefill")
+    armed = run["armed"]["decode"]
+    assert armed and all("page_tags" in s.guards and "lifecycle" not in s.guards for s in armed), armed
+    table = run["table"].decode
+    assert table.status == 500 and not table.output_ids, table.summary()
+    assert "page ownership check failed" in table.error_message(), table.summary()
+    refused = [d for d in decision_lines(run["logs"]["decode"])
+               if d.get("guard") == "page_tags" and d.get("decision") == "abort"]
+    assert len(refused) == 1, refused
+    assert not [d for d in decision_lines(run["logs"]["decode"]) if d.get("guard") == "lifecycle"]

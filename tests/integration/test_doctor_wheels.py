@@ -121,19 +121,21 @@ def test_compat_sweep_agrees_with_the_supported_pins(pin: str) -> None:
     that adapter in place, and the optional targets exactly where the pin gates take them (a pin added to a gate
     without the target, or a release with the target left out of the gate, fails here)."""
     from sglang_harden.compat import lifecycle_v05, sglang_v05
+    from sglang_harden.compat.backends import mooncake as mooncake_backend
+    from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER
     from sglang_harden.tools import compat_sweep as sweep
 
     report = sweep.judge_release(pin, SourceTree(sglang_tree(pin)), SUPPORTED_PINS)
     assert report.adapter == SUPPORTED_PINS[pin], report
-    family_owners = {h.owner for h in sweep.family_hooks(SUPPORTED_PINS[pin])[0]}
+    family_owners = {h.owner for h in sweep.family_hooks(SUPPORTED_PINS[pin])[0]} - {PAGE_LEDGER_OWNER}
     assert {g for g, v in report.guards.items() if v.verdict == sweep.HOOKABLE} == family_owners, report
     if SUPPORTED_PINS[pin] == "sglang_v05":
         gated = {f"{h.owner}: {h.target}": pin in sglang_v05.RETIRES_ABORTED_RESULT
                  for h in sglang_v05.RETIRED_RESULT_HOOKS}
         gated |= {f"{h.owner}: {h.target}": pin in lifecycle_v05.POISONS_UNDRAINED_ROOMS
                   for h in lifecycle_v05.POISON_HOOKS}
-        gated |= {f"{h.owner}: {h.target}": pin in lifecycle_v05.SYNCS_STATUS_PER_ENDPOINT
-                  for h in lifecycle_v05.EVIDENCE_HOOKS}
+        gated |= {f"{h.owner}: {h.target}": pin in mooncake_backend.SYNCS_STATUS_PER_ENDPOINT
+                  for h in mooncake_backend.EVIDENCE_HOOKS}
         assert report.optional == gated
 
 
@@ -153,7 +155,8 @@ def test_dropped_ack_gate_matches_each_release(pin: str) -> None:
     """``DROPS_ACK_OF_CONCLUDED_ROOM`` lists, per backend, exactly the releases whose prefill answers a decode abort
     notice for a concluded room with an ack only when nothing of it is counted in flight, and otherwise with
     neither an ack nor a kept target (the branch that acks at once and has no else)."""
-    from sglang_harden.compat.lifecycle_v05 import BACKEND_MODULES, DROPS_ACK_OF_CONCLUDED_ROOM
+    from sglang_harden.compat.backends import BACKEND_MODULES
+    from sglang_harden.compat.backends.common import DROPS_ACK_OF_CONCLUDED_ROOM
 
     tree = SourceTree(sglang_tree(pin))
     for backend, module in BACKEND_MODULES.items():

@@ -29,7 +29,10 @@ pytest.importorskip("sglang")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_harden import events  # noqa: E402
-from sglang_harden.compat import activate, lifecycle_v05  # noqa: E402
+from sglang_harden.compat import activate, lifecycle_v05, page_tags_v05  # noqa: E402
+from sglang_harden.compat.backends import common as backends_common  # noqa: E402
+from sglang_harden.compat.backends import mooncake as mooncake_backend  # noqa: E402
+from sglang_harden.compat.backends import nixl as nixl_backend  # noqa: E402
 from sglang_harden.compat.lifecycle_nodes import DecodeNode, PrefillNode, owner_of_room  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
@@ -284,7 +287,7 @@ def _checked_transfer_of_b(allocator: Any) -> tuple[DecodeNode, Any, Any, Any, A
     req = SimpleNamespace(rid="req-b", origin_input_ids=list(range(16)), req_pool_idx=1, kv=None,
                           prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
     scheduler = _scheduler_with_table(a.tolist())
-    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+    assert page_tags_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
     return node, a, transfer, req, scheduler
 
 
@@ -294,7 +297,7 @@ def test_page_tags_refuse_a_misowned_page(allocator: Any) -> None:
     victim = int(a[3])
     node.ledger.release(transfer.owner, [victim], writer_drained=True)
     node.ledger.reserve("room:999", [victim])
-    decision = lifecycle_v05.check_request_pages(node, scheduler, req, transfer)
+    decision = page_tags_v05.check_request_pages(node, scheduler, req, transfer)
     assert decision.verdict is Verdict.ABORT and "room:999" in decision.reason
 
 
@@ -304,10 +307,10 @@ def test_page_tags_read_the_live_page_table(allocator: Any) -> None:
     node, a, transfer, req, scheduler = _checked_transfer_of_b(allocator)
     foreign = allocator.alloc(1)
     scheduler.req_to_token_pool.req_to_token[1, 5] = int(foreign[0])  # a slot the transfer never wrote
-    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ABORT
+    assert page_tags_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ABORT
     scheduler.req_to_token_pool.req_to_token = scheduler.req_to_token_pool.req_to_token.clone()
     scheduler.req_to_token_pool.req_to_token[1, 5] = int(a[5])
-    assert lifecycle_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
+    assert page_tags_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
 
 
 def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
@@ -322,7 +325,7 @@ def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
     queue = SimpleNamespace(scheduler=_scheduler_with_table(rows))
     committed: list[str] = []
     inner = lifecycle_v05._commit_finishes_transfer(lambda self, decode_req: committed.append(decode_req.req.rid))
-    wrapped = lifecycle_v05._commit_with_tags(inner)
+    wrapped = page_tags_v05._commit_with_tags(inner)
     wrapped(queue, SimpleNamespace(req=req))
     assert committed == ["req-c"]
     assert type(req.finished_reason).__name__ == "FINISH_ABORT"
@@ -370,7 +373,7 @@ def test_prefill_withholds_drain_ack_and_sources_after_a_failed_write(sglang_mod
         mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1},
                               transfer_infos={ROOM_A: {"sess-1": object()}})
         node.hold(mgr, ROOM_A, src.numpy().astype(np.int64))
-        send = lifecycle_v05._send_kvcache(lambda *a, **k: -1)  # the engine call timed out
+        send = mooncake_backend._send_kvcache(lambda *a, **k: -1)  # the engine call timed out
         assert send(mgr, "sess-1", np.arange(6), [], np.arange(6), None) == -1
         mgr._staging_outstanding[ROOM_A] = 0  # the worker moved on
         mgr.request_status[ROOM_A] = KVPoll.Failed
@@ -468,7 +471,7 @@ def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
         import sglang.srt.disaggregation.nixl.conn  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"NIXL is not installed in this pin's venv ({exc}); ci/pins.toml lists it for 0.5.23")
-    nixl_hooks = [h for h in lifecycle_v05.HOOKS if h.module == lifecycle_v05.NIXL]
+    nixl_hooks = list(nixl_backend.HOOKS)
     assert {h.qualname for h in nixl_hooks} == {"NixlKVReceiver.send_metadata", "NixlKVManager.add_transfer_request",
                                                  "NixlKVManager.send_kvcache",
                                                  "NixlKVManager._handle_abort_notification"}
@@ -483,12 +486,13 @@ def test_pin_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
 
     from sglang_harden.compat.hooks import is_in_place
 
-    targets = {h.qualname for h in lifecycle_v05.pin_hooks()}
+    pin_hooks = [*lifecycle_v05.pin_hooks(), *mooncake_backend.pin_hooks()]
+    targets = {h.qualname for h in pin_hooks}
     assert ("CommonKVManager.poison_deferred_ack_room" in targets) == hasattr(CommonKVManager,
                                                                               "poison_deferred_ack_room")
     assert ("MooncakeKVManager.sync_status_to_decode_endpoint" in targets) == hasattr(
         MooncakeKVManager, "sync_status_to_decode_endpoint")
-    assert all(is_in_place(h) for h in lifecycle_v05.pin_hooks())
+    assert all(is_in_place(h) for h in pin_hooks)
 
 
 def _concluded_room_manager(status: Any, outstanding: int) -> tuple[Any, list[Any], list[Any]]:
@@ -521,7 +525,7 @@ def test_abort_notice_for_a_concluded_room_in_flight_is_acked_once_it_settles(sg
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-    if RUNTIME.pin not in lifecycle_v05.DROPS_ACK_OF_CONCLUDED_ROOM["nixl"]:
+    if RUNTIME.pin not in backends_common.DROPS_ACK_OF_CONCLUDED_ROOM["nixl"]:
         pytest.skip(f"{RUNTIME.pin}: SGLang keeps the target of a concluded room with a chunk in flight itself")
     alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
     lifecycle_v05.NODE = node = PrefillNode.for_allocator(alloc)
@@ -533,7 +537,7 @@ def test_abort_notice_for_a_concluded_room_in_flight_is_acked_once_it_settles(sg
         assert (registered, acks) == ([], []), "SGLang's own handler: no target kept, no ack"
         assert not node.orphan_targets
 
-        hooked = lifecycle_v05._nixl_abort_notice(vanilla)
+        hooked = nixl_backend._nixl_abort_notice(vanilla)
         assert hooked(mgr, ABORT_NOTICE) is True
         assert node.orphan_targets == {ROOM_A: ("127.0.0.1", 9999)}
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
@@ -556,7 +560,7 @@ def test_mooncake_abort_notices_are_watched_on_the_listener_socket(sglang_module
     socket and manager here; every other message passes untouched."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    if RUNTIME.pin not in lifecycle_v05.DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"]:
+    if RUNTIME.pin not in backends_common.DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"]:
         pytest.skip(f"{RUNTIME.pin}: SGLang keeps the target of a concluded room with a chunk in flight itself")
     alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
     lifecycle_v05.NODE = node = PrefillNode.for_allocator(alloc)
@@ -564,8 +568,8 @@ def test_mooncake_abort_notices_are_watched_on_the_listener_socket(sglang_module
         mgr, _, acks = _concluded_room_manager(KVPoll.Success, outstanding=1)
         inbox = [[b"None", b"127.0.0.1", b"1", b"session"], ABORT_NOTICE, [b"ABORT", b"not-a-room", b"x", b"y"]]
         mgr.server_socket = SimpleNamespace(recv_multipart=lambda: inbox.pop(0), closed=False)
-        lifecycle_v05._mooncake_abort_notices(lambda self: None)(mgr)
-        assert isinstance(mgr.server_socket, lifecycle_v05._NoticeWatchingSocket) and not mgr.server_socket.closed
+        mooncake_backend._mooncake_abort_notices(lambda self: None)(mgr)
+        assert isinstance(mgr.server_socket, mooncake_backend._NoticeWatchingSocket) and not mgr.server_socket.closed
         assert mgr.server_socket.recv_multipart()[0] == b"None" and not node.orphan_targets
         assert mgr.server_socket.recv_multipart() == ABORT_NOTICE
         assert node.orphan_targets == {ROOM_A: ("127.0.0.1", 9999)}
@@ -595,14 +599,14 @@ def test_nixl_failed_post_is_a_failed_write(sglang_modules: dict[str, Any]) -> N
         def post_fails(self: Any, peer_name: str, prefill_kv_indices: Any, *args: Any) -> Any:
             raise RuntimeError("KVSender failed to post prepped transfer")
 
-        send = lifecycle_v05._nixl_send_kvcache(post_fails)
+        send = nixl_backend._nixl_send_kvcache(post_fails)
         with pytest.raises(RuntimeError, match="failed to post"):
             send(mgr, "agent-d", np.arange(4), [], np.arange(4), 0)
         assert set(node.failed_writes) == {ROOM_A}, "only the room being written (ROOM_B has no chunk in flight)"
         mgr.request_status[ROOM_A] = KVPoll.Failed
         mgr._staging_outstanding[ROOM_A] = 0
         assert not node.settled(ROOM_A)
-        assert lifecycle_v05._nixl_send_kvcache(lambda *a: "handle")(mgr, "agent-d", np.arange(4)) == "handle"
+        assert nixl_backend._nixl_send_kvcache(lambda *a: "handle")(mgr, "agent-d", np.arange(4)) == "handle"
     finally:
         lifecycle_v05.NODE = None
 
@@ -630,7 +634,7 @@ def test_failure_without_a_write_in_flight_carries_its_drain_ack(sglang_modules:
 
     try:
         mgr = Manager()
-        sync = lifecycle_v05._failure_with_drain_evidence(sync_status)
+        sync = mooncake_backend._failure_with_drain_evidence(sync_status)
         node.note_failed_write([ROOM_A])
         sync(mgr, "127.0.0.1", 9, ROOM_B, KVPoll.Failed, 0)
         sync(mgr, "127.0.0.1", 9, ROOM_A, KVPoll.Failed, 0)
@@ -815,7 +819,7 @@ def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modul
         mgr = SimpleNamespace(request_status={ROOM_A: KVPoll.Transferring}, _staging_outstanding={ROOM_A: 1},
                               transfer_infos={ROOM_A: {"sess-1": object()}})
         node.hold(mgr, ROOM_A, pages)
-        send = lifecycle_v05._send_kvcache(lambda *a, **k: -1)  # the engine call failed: the write may land
+        send = mooncake_backend._send_kvcache(lambda *a, **k: -1)  # the engine call failed: the write may land
         assert send(mgr, "sess-1", pages, [], pages, None) == -1
         mgr._staging_outstanding[ROOM_A] = 0
         mgr.request_status[ROOM_A] = KVPoll.Failed

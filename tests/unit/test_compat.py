@@ -263,20 +263,31 @@ def _tags_hook() -> object:
     return Hook("page_tags", "sglang_harden_test_never_imported", "Queue._commit", ("self",), lambda original: original)
 
 
-def test_page_tags_is_not_armed_without_the_lifecycle_ledger(monkeypatch: pytest.MonkeyPatch,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    """page_tags checks pages against the ledger the lifecycle hooks keep: with lifecycle off it would check
-    nothing, so it is not reported armed, and start-up says why (issue 16)."""
+def test_page_tags_keeps_its_own_ledger_with_lifecycle_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """page_tags checks pages against decode's page ledger, which the lifecycle hooks keep. With lifecycle off the
+    ledger-keeping hooks are armed under their own owner (decode only), so page_tags works alone; with lifecycle on
+    they are not armed twice (issue 16; page_tags was not armed at all with lifecycle off before)."""
     from sglang_harden import compat
+    from sglang_harden.compat import lifecycle_v05, sglang_v05
+    from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER
     from sglang_harden.compat.runtime import RUNTIME
     from sglang_harden.config import Mode
 
+    ledger_hooks = [h for h in sglang_v05.HOOKS if h.owner == PAGE_LEDGER_OWNER]
+    assert {h.qualname for h in ledger_hooks} == set(lifecycle_v05.LEDGER_TARGETS)
+    assert sglang_v05.ROLES_BY_OWNER[PAGE_LEDGER_OWNER] == {"decode"}
+    registered: list[str] = []
+    monkeypatch.setattr(compat.hooks, "register", lambda hook: registered.append(hook.owner))
     monkeypatch.setattr(RUNTIME, "armed", ())
     _with_config(monkeypatch, lifecycle=Mode.OFF, page_tags=Mode.ENFORCE)
-    with caplog.at_level("WARNING", logger="sglang_harden"):
-        compat._register_enabled([_tags_hook()])
-    assert "page_tags" not in RUNTIME.armed
-    assert "page_tags is NOT armed" in caplog.text
+    compat._register_enabled([_tags_hook(), *ledger_hooks])
+    assert "page_tags" in RUNTIME.armed and "lifecycle" not in RUNTIME.armed
+    assert registered.count(PAGE_LEDGER_OWNER) == len(ledger_hooks)
+    registered.clear()
     _with_config(monkeypatch, lifecycle=Mode.ENFORCE, page_tags=Mode.ENFORCE)
-    compat._register_enabled([_tags_hook()])
-    assert "page_tags" in RUNTIME.armed
+    compat._register_enabled([_tags_hook(), *ledger_hooks])
+    assert PAGE_LEDGER_OWNER not in registered
+    registered.clear()
+    _with_config(monkeypatch, lifecycle=Mode.OFF, page_tags=Mode.OFF)
+    compat._register_enabled([_tags_hook(), *ledger_hooks])
+    assert registered == []

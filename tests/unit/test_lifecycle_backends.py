@@ -1,43 +1,52 @@
-"""Which transfer backends the page lifecycle runs on, and what a scheduler on another backend is told."""
+"""Which transfer backends the page lifecycle and page-tag guards run on, and what a scheduler on another backend is
+told. Each backend's hooks live in its own module (``compat/backends/``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_harden.compat import lifecycle_v05
-from sglang_harden.compat.runtime import RUNTIME
-from sglang_harden.config import HardenConfig, Mode
+from sglang_harden.compat import backends, sglang_v05
+from sglang_harden.compat.backends import mooncake, nixl
+from sglang_harden.compat.lifecycle_v05 import CONN
 
 
 def _hook(module: str) -> object:
-    return next(h for h in lifecycle_v05.HOOKS if h.module == module)
+    return next(h for h in sglang_v05.HOOKS if h.module == module and h.owner == "lifecycle")
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_each_backend_needs_only_its_own_module_hooks(backend: str) -> None:
-    own, other = lifecycle_v05.BACKEND_MODULES[backend], {"mooncake": lifecycle_v05.NIXL,
-                                                          "nixl": lifecycle_v05.MOONCAKE}[backend]
-    assert lifecycle_v05.needed_on_backend(_hook(own), backend)
-    assert not lifecycle_v05.needed_on_backend(_hook(other), backend)
-    assert lifecycle_v05.needed_on_backend(_hook(lifecycle_v05.CONN), backend)
+    own, other = backends.BACKEND_MODULES[backend], {"mooncake": backends.NIXL, "nixl": backends.MOONCAKE}[backend]
+    assert backends.needed_on_backend(_hook(own), backend)
+    assert not backends.needed_on_backend(_hook(other), backend)
+    assert backends.needed_on_backend(_hook(CONN), backend)
 
 
-@pytest.fixture()
-def lifecycle_mode(request: pytest.FixtureRequest) -> object:
-    saved = RUNTIME.config
-    RUNTIME.config = HardenConfig(lifecycle=request.param)
-    yield request.param
-    RUNTIME.config = saved
+@pytest.mark.parametrize("module", [mooncake, nixl], ids=["mooncake", "nixl"])
+def test_a_backend_module_hooks_only_its_own_sglang_module(module: object) -> None:
+    hooks = module.HOOKS  # type: ignore[attr-defined]
+    assert hooks and {h.module for h in hooks} == {backends.BACKEND_MODULES[module.__name__.rpartition(".")[2]]}
+    assert {h.qualname.rpartition(".")[2] for h in hooks} >= {"send_metadata", "add_transfer_request",
+                                                              "send_kvcache"}
 
 
-@pytest.mark.parametrize("lifecycle_mode", [Mode.ENFORCE, Mode.LOG], indirect=True)
-def test_other_backends_refused_with_the_way_out(lifecycle_mode: Mode) -> None:
-    why = lifecycle_v05.check_backend("decode", "mori")
-    assert why is not None and "'mori'" in why and "--harden-lifecycle off" in why
-    assert lifecycle_v05.check_backend("prefill", "nixl") is None
-    assert lifecycle_v05.check_backend("null", "mori") is None  # no PD: nothing to guard
+def test_other_backends_refused_with_the_way_out() -> None:
+    why = backends.check_backend("decode", "mori", ["lifecycle", "page_tags"])
+    assert why is not None and "'mori'" in why
+    assert "--harden-lifecycle off and --harden-page-tags off" in why
+    assert backends.check_backend("prefill", "nixl", ["lifecycle"]) is None
+    assert backends.check_backend("null", "mori", ["lifecycle"]) is None  # no PD: nothing to guard
 
 
-@pytest.mark.parametrize("lifecycle_mode", [Mode.OFF], indirect=True)
-def test_lifecycle_off_runs_anywhere(lifecycle_mode: Mode) -> None:
-    assert lifecycle_v05.check_backend("decode", "mori") is None
+def test_no_backend_guard_armed_runs_anywhere() -> None:
+    assert backends.check_backend("decode", "mori", []) is None
+
+
+def test_guards_needing_a_backend_follow_what_is_armed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_harden.compat.runtime import RUNTIME
+
+    monkeypatch.setattr(RUNTIME, "armed", ("admission", "page_tags"))
+    assert sglang_v05._guards_needing_a_backend("decode") == ["page_tags"]  # page tags alone still need one
+    assert sglang_v05._guards_needing_a_backend("prefill") == []
+    monkeypatch.setattr(RUNTIME, "armed", ("lifecycle", "page_tags"))
+    assert sglang_v05._guards_needing_a_backend("prefill") == ["lifecycle"]

@@ -1,0 +1,59 @@
+"""What two backends share: reading a decode abort notice whose drain-ack target SGLang is about to drop, and the
+rooms a transfer worker has in flight (the ones a failed write belongs to)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sglang_harden.compat import lifecycle_v05
+from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
+from sglang_harden.compat.runtime import RUNTIME
+
+# Pins (per backend) whose prefill answers a decode abort notice for a room that already concluded (Success, or
+# cleared) with a drain ack only when no chunk of the room is counted in flight, and otherwise with nothing: no ack
+# then, and no target kept for the worker to ack later, so decode's quarantine of the room never ends. Later pins
+# keep the target whenever a chunk is still counted.
+DROPS_ACK_OF_CONCLUDED_ROOM: dict[str, tuple[str, ...]] = {"mooncake": ("0.5.19", "0.5.20"),
+                                                            "nixl": ("0.5.19", "0.5.20", "0.5.21")}
+ABORT_TAG = b"ABORT"
+
+
+def note_abort_notice(mgr: Any, backend: str, msg: Sequence[bytes]) -> None:
+    """Keep the drain-ack target of an abort notice SGLang is about to drop (see DROPS_ACK_OF_CONCLUDED_ROOM); the
+    ack goes out once the room settled (:meth:`PrefillNode.settle_pending`)."""
+    node = lifecycle_v05.NODE
+    if not isinstance(node, PrefillNode) or RUNTIME.pin not in DROPS_ACK_OF_CONCLUDED_ROOM.get(backend, ()):
+        return
+    notice = _abort_notice(msg)
+    if notice is None or not getattr(mgr, "enable_deferred_decode_kv_release", False):
+        return
+    room, decode_ip, decode_port = notice
+    concluded = room not in mgr.request_status or mgr.check_status(room) == _kv_poll().success
+    if concluded and mgr._staging_outstanding.get(room, 0) > 0:
+        node.kv_mgr = node.kv_mgr or mgr
+        node.orphan_targets[room] = (decode_ip, decode_port)
+
+
+def _abort_notice(msg: Sequence[bytes]) -> tuple[int, str, int] | None:
+    """(room, decode ip, decode port) of a decode abort notice carrying its ack target; None for anything else."""
+    if len(msg) < 4 or msg[0] != ABORT_TAG:
+        return None
+    try:
+        return int(msg[1].decode("ascii")), msg[2].decode("ascii"), int(msg[3].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None  # SGLang logs and drops a malformed notice itself
+
+
+def rooms_in_flight(mgr: Any, session: str) -> list[int]:
+    """Rooms of ``session`` with a chunk dequeued by a transfer worker right now (the one whose write failed).
+    ``session``: Mooncake's session id or NIXL's peer agent name (both key a room's ``transfer_infos``)."""
+    outstanding = getattr(mgr, "_staging_outstanding", {})
+    return [room for room, infos in list(mgr.transfer_infos.items())
+            if session in infos and outstanding.get(room, 0) > 0]
+
+
+# Pins (per backend) whose prefill answers a decode abort notice for a room that already concluded (Success, or
+# cleared) with a drain ack only when no chunk of the room is counted in flight, and otherwise with nothing: no ack
+# then, and no target kept for the worker to ack later, so decode's quarantine of the room never ends. Later pins
+# keep the target whenever a chunk is still counted.
