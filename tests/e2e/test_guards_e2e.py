@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.compat.lifecycle_v05 import DROPS_ACK_OF_CONCLUDED_ROOM
+from sglang_harden.compat.backends.common import DROPS_ACK_OF_CONCLUDED_ROOM
 from sglang_harden.testbed.client import PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
 from sglang_harden.testbed.envs import load_pins
