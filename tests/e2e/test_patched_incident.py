@@ -50,7 +50,7 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.19"]
+PINS = ["0.5.19", "0.5.22"]  # CI selects its pins (0.5.19 here); 0.5.22: --pins 0.5.22
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
 TOO_LONG = "exceeds the maximum allowed length"
@@ -230,6 +230,9 @@ def test_audit_flags_asymmetric_pools(incident: Any, pin: str) -> None:
 
 @pytest.mark.parametrize("pin", PINS)
 def test_probe_fails_on_vanilla_leaking_pair(incident: Any, pin: str) -> None:
+    if pin != "0.5.19":
+        pytest.skip(f"vanilla {pin} refuses B at prefill (0.5.20+), so its pair does not leak here and probe passes "
+                    "(measured on 0.5.22); the leaking vanilla pair is 0.5.19's")
     code, data = _tool(incident, pin, "probe")
     assert code == 1, data
     probes = probe_results(data)
