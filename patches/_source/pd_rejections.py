@@ -51,8 +51,7 @@ def add_routes(app: Any) -> None:
     from aiohttp import web
 
     async def put(request: Any) -> Any:
-        sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
-        if not is_same_host(request.remote, sockname[0] if sockname else None):
+        if not request_from_this_host(request):
             return web.json_response({"error": "rejections are accepted from this host only"}, status=403)
         try:
             BOARD.post(parse_notice(await request.read()))

@@ -143,3 +143,9 @@ def is_same_host(remote: str | None, local: str | None) -> bool:
         return local is not None and peer == ipaddress.ip_address(local.split("%")[0])
     except ValueError:
         return False
+
+
+def request_from_this_host(request: Any) -> bool:
+    """Whether an aiohttp request came from this host (:func:`is_same_host` of its peer and the server's address)."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return is_same_host(request.remote, sockname[0] if sockname else None)

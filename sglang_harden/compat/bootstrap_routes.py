@@ -59,11 +59,6 @@ async def handle_abort_put(request: Any) -> Any:
                                         notify.parse_abort_body, notify.BOARD.post)
 
 
-def _from_this_host(request: Any) -> bool:
-    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
-    return notify.is_same_host(request.remote, sockname[0] if sockname else None)
-
-
 async def handle_digest_put(request: Any) -> Any:
     """Only the prefill node's own schedulers post digests (same host); anyone else gets 403."""
     return await _accept_from_this_host(request, "digests", 256 * 1024, digest_board.parse_digest_body,
@@ -77,7 +72,7 @@ async def _accept_from_this_host(request: Any, what: str, limit: int, parse: Cal
     because the control-plane token check may have read it already."""
     from aiohttp import web
 
-    if not _from_this_host(request):
+    if not abort_wire.request_from_this_host(request):
         return web.json_response({"error": f"{what} are accepted from this host only"}, status=403)
     body = await request.read()
     if len(body) > limit:

@@ -471,15 +471,14 @@ HOOKS: list[Hook] = [
 # With the lifecycle guard off, the page-tag guard still needs decode's page ledger: these hooks keep it, armed under
 # their own owner only then. Lifecycle's decisions stay off (mode off releases every freed page at once, changes no
 # SGLang setting and makes no prefill node).
-LEDGER_TARGETS = ("Scheduler.__init__", "TokenToKVPoolAllocator.free", "PagedTokenToKVPoolAllocator._release_page_ids",
-                  "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata",
-                  "DecodeTransferQueue._commit_transfer_to_req")
+# Known by their wrappers, so a backend's receiver hook (it wraps ``_send_metadata``) is one without being listed.
+LEDGER_WRAPPERS = (_scheduler_init, _token_free, _paged_release, _send_metadata, _commit_finishes_transfer)
 
 
 def ledger_hooks(lifecycle_hooks: list[Hook]) -> list[Hook]:
     """The page-tag guard's copies of the ledger-keeping lifecycle hooks (the backends' receivers included)."""
     return [replace(hook, owner=PAGE_LEDGER_OWNER) for hook in lifecycle_hooks
-            if hook.owner == "lifecycle" and hook.qualname in LEDGER_TARGETS]
+            if hook.owner == "lifecycle" and hook.make_wrapper in LEDGER_WRAPPERS]
 
 
 # Pins whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it).

@@ -268,13 +268,16 @@ def test_page_tags_keeps_its_own_ledger_with_lifecycle_off(monkeypatch: pytest.M
     ledger-keeping hooks are armed under their own owner (decode only), so page_tags works alone; with lifecycle on
     they are not armed twice (issue 16; page_tags was not armed at all with lifecycle off before)."""
     from sglang_harden import compat
-    from sglang_harden.compat import lifecycle_v05, sglang_v05
+    from sglang_harden.compat import sglang_v05
     from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER
     from sglang_harden.compat.runtime import RUNTIME
     from sglang_harden.config import Mode
 
     ledger_hooks = [h for h in sglang_v05.HOOKS if h.owner == PAGE_LEDGER_OWNER]
-    assert {h.qualname for h in ledger_hooks} == set(lifecycle_v05.LEDGER_TARGETS)
+    assert {h.qualname for h in ledger_hooks} == {
+        "Scheduler.__init__", "TokenToKVPoolAllocator.free", "PagedTokenToKVPoolAllocator._release_page_ids",
+        "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata",
+        "DecodeTransferQueue._commit_transfer_to_req"}
     assert sglang_v05.ROLES_BY_OWNER[PAGE_LEDGER_OWNER] == {"decode"}
     registered: list[str] = []
     monkeypatch.setattr(compat.hooks, "register", lambda hook: registered.append(hook.owner))
