@@ -137,7 +137,7 @@ def describe() -> dict[str, object]:
     pin = installed_sglang_version()
     supported = pin in SUPPORTED_PINS
     activation = _active
-    installed = {h.target: hooks.is_in_place(h) for h in hooks.registered_hooks()}
+    installed = {h.target: hooks.is_in_place(h) for h in hooks.registered_hooks() if not hooks.probed_absent(h)}
     return {
         "pin": pin,
         "family": SUPPORTED_PINS.get(pin or ""),

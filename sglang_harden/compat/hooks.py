@@ -41,6 +41,9 @@ class Hook:
     qualname: str
     params: tuple[str, ...]
     make_wrapper: Wrapper
+    # Feature-probed: installed where this release has the target; a release without it lacks the behaviour the
+    # hook answers, so its absence is no gap. A present target whose signature moved still refuses.
+    optional: bool = False
 
     @property
     def target(self) -> str:
@@ -86,7 +89,13 @@ def _check_params(hook: Hook, func: Callable[..., object]) -> None:
 
 
 def _install(hook: Hook, key: str, module: ModuleType) -> None:
-    owner, attr, raw = _resolve(module, hook.qualname)
+    try:
+        owner, attr, raw = _resolve(module, hook.qualname)
+    except HookInstallError:
+        if not hook.optional:
+            raise
+        logger.debug("sglang-harden: %s not in this release; %s's hook on it not needed", hook.target, hook.owner)
+        return
     is_static = isinstance(raw, staticmethod)
     func = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
     _check_params(hook, func)
@@ -125,9 +134,24 @@ def is_in_place(hook: Hook) -> bool:
     return hook.owner in getattr(func, WRAPPED_MARK, ())
 
 
+def probed_absent(hook: Hook) -> bool:
+    """An optional hook whose target module is imported here and lacks the target (this release's shape)."""
+    import sys
+
+    module = sys.modules.get(hook.module)
+    if not hook.optional or module is None:
+        return False
+    try:
+        _resolve(module, hook.qualname)
+    except HookInstallError:
+        return True
+    return False
+
+
 def missing(hooks: list[Hook]) -> list[str]:
-    """Targets of ``hooks`` that are not wrapped in this process right now."""
-    return [f"{h.owner} -> {h.target}" for h in hooks if not is_in_place(h)]
+    """Targets of ``hooks`` that are not wrapped in this process right now (an optional hook whose target this
+    release lacks is not missing)."""
+    return [f"{h.owner} -> {h.target}" for h in hooks if not is_in_place(h) and not probed_absent(h)]
 
 
 def registered_hooks() -> list[Hook]:

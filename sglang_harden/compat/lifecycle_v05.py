@@ -466,6 +466,9 @@ HOOKS: list[Hook] = [
          ("pool_name", "available", "evictable", "protected", "session_held", "total"), _account_held_pages),
     Hook("lifecycle", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
          _commit_finishes_transfer),
+    # Releases whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it) have this.
+    Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"), _keep_poisoned_target,
+         optional=True),
 ]
 
 # With the lifecycle guard off, the page-tag guard still needs decode's page ledger: these hooks keep it, armed under
@@ -479,19 +482,6 @@ def ledger_hooks(lifecycle_hooks: list[Hook]) -> list[Hook]:
     """The page-tag guard's copies of the ledger-keeping lifecycle hooks (the backends' receivers included)."""
     return [replace(hook, owner=PAGE_LEDGER_OWNER) for hook in lifecycle_hooks
             if hook.owner == "lifecycle" and hook.make_wrapper in LEDGER_WRAPPERS]
-
-
-# Pins whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it).
-POISONS_UNDRAINED_ROOMS = ("0.5.22", "0.5.23")
-
-
-POISON_HOOKS = [Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"),
-                     _keep_poisoned_target)]
-
-
-def pin_hooks() -> list[Hook]:
-    """Hooks only some pins of the family have targets for (merged into sglang_v05.HOOKS)."""
-    return POISON_HOOKS if RUNTIME.pin in POISONS_UNDRAINED_ROOMS else []
 
 
 ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"},

@@ -259,24 +259,16 @@ def _verify_in_process(role: str, backend: str) -> None:
 
 # ---------------------------------------------------------------- the table
 
-# Pins whose prefill retires an aborted result itself (skipping the final send, never telling decode).
-RETIRES_ABORTED_RESULT = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
-
-
+# Releases whose prefill retires an aborted result itself (skipping the final send, never telling decode) have this
+# target; the others do not need the hook.
 RETIRED_RESULT_HOOKS = [
     Hook("abort_notify", PREFILL, "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result",
-         ("self", "req"), publish_retired_abort(READER)),
+         ("self", "req"), publish_retired_abort(READER), optional=True),
 ]
 
 
-def _retired_result_hooks() -> list[Hook]:
-    return RETIRED_RESULT_HOOKS if RUNTIME.pin in RETIRES_ABORTED_RESULT else []
-
-
-
 # The page lifecycle's and page tags' hooks: the common ones, then each transfer backend's.
-LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *lifecycle_v05.pin_hooks(), *mooncake_backend.HOOKS,
-                               *mooncake_backend.pin_hooks(), *nixl_backend.HOOKS]
+LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *mooncake_backend.HOOKS, *nixl_backend.HOOKS]
 
 HOOKS: list[Hook] = [
     Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"),
@@ -309,7 +301,7 @@ HOOKS: list[Hook] = [
          _publish_bootstrap_failure),
     Hook("abort_notify", CONN, "CommonKVManager.is_abort_release_safe", ("self", "bootstrap_room", "required_acks"),
          _release_when_never_written),
-    *_retired_result_hooks(),
+    *RETIRED_RESULT_HOOKS,
     # Listed before abort_notify's validation hook, so its wrapper sits outside and posts this refusal too.
     Hook("admission", TOKENIZER, "TokenizerManager._validate_one_request", ("self", "obj", "input_ids"),
          prefill_front_door),
@@ -343,6 +335,6 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
 MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit,
                                                       CONN: control_auth.install_signing_client}
 
-# Hooks whose targets only some releases of the family have; HOOKS takes them by pin (above). `compat sweep`
-# probes every release for them.
-OPTIONAL_HOOKS: list[Hook] = [*RETIRED_RESULT_HOOKS, *lifecycle_v05.POISON_HOOKS, *mooncake_backend.EVIDENCE_HOOKS]
+# Hooks whose targets only some releases of the family have (feature-probed at install); `compat sweep` probes every
+# release for them.
+OPTIONAL_HOOKS: list[Hook] = [h for h in HOOKS if h.optional]

@@ -113,7 +113,8 @@ def _info_from_pin_table(compat: object, version: str, raw: dict, pin: str | Non
 
 
 def _family_hooks(family: str | None) -> dict[str, list[str]] | None:
-    """owner -> hook targets of the family's hook table, or None when it cannot be read."""
+    """owner -> required hook targets of the family's hook table, or None when it cannot be read (an optional
+    hook's target is one only some releases have; where it is absent, nothing needs it)."""
     if not family:
         return None
     try:
@@ -123,7 +124,9 @@ def _family_hooks(family: str | None) -> dict[str, list[str]] | None:
         return None
     out: dict[str, list[str]] = {}
     for hook in hooks:
-        out.setdefault(str(hook.owner), []).append(str(hook.target))
+        targets = out.setdefault(str(hook.owner), [])
+        if not getattr(hook, "optional", False):
+            targets.append(str(hook.target))
     return out
 
 

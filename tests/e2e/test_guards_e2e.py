@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.compat.backends.common import DROPS_ACK_OF_CONCLUDED_ROOM
+from sglang_harden.compat.backends import BACKEND_MODULES
+from sglang_harden.compat.backends.common import DROPPING_BRANCH
 from sglang_harden.testbed.client import PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
 from sglang_harden.testbed.envs import load_pins
@@ -48,6 +49,8 @@ from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.server import Server
 from sglang_harden.testbed.soak_requests import ROUTE_TABLE_QUERY
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
+from sglang_harden.tools._source import SourceTree
+from sglang_harden.tools._wheels import release_tree
 from sglang_harden.tools.audit import parse_guard_counters
 
 pytestmark = pytest.mark.e2e
@@ -349,12 +352,12 @@ def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFacto
 def test_abort_crossing_the_success_gets_its_drain_ack(pairs: PairFactory, pin: str) -> None:
     """Decode gives up on R (its client went away) just as prefill concludes R: prefill has marked R's transfer a
     Success, but its worker still counts R's chunk in flight and decode has not heard of the Success yet. Decode
-    holds R's pages until prefill acks the drain. On the pins listed in ``DROPS_ACK_OF_CONCLUDED_ROOM`` prefill
+    holds R's pages until prefill acks the drain. On releases with ``DROPPING_BRANCH`` (Mooncake: 0.5.19, .20) prefill
     answers that abort notice with nothing (R concluded, a chunk still counted: no ack, no target kept), so
     decode's pages never came back (a CI soak ended with 272 tokens of a decode pool not back at quiesce). The
     guard keeps the target and acks once R settled. A test-only shim holds the window open: the worker's Success
     sync sleeps first."""
-    if pin not in DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"]:
+    if DROPPING_BRANCH not in SourceTree(release_tree(pin)).text(BACKEND_MODULES["mooncake"]):
         pytest.skip(f"{pin}: SGLang keeps the drain-ack target of a concluded room with a chunk in flight itself")
     pair = pairs("hardened")
     assert pair.prefill.bootstrap_port is not None

@@ -53,7 +53,7 @@ def sglang_modules() -> dict[str, Any]:
     from sglang_harden.compat.hooks import is_in_place
 
     for hook in lifecycle_v05.HOOKS:
-        if hook.module in (token.__name__, paged.__name__, decode.__name__, conn.__name__):
+        if hook.module in (token.__name__, paged.__name__, decode.__name__, conn.__name__) and not hook.optional:
             assert is_in_place(hook), hook.target
     return {"token": token, "conn": conn, "decode": decode}
 
@@ -478,21 +478,26 @@ def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
     assert all(is_in_place(h) for h in nixl_hooks)
 
 
-def test_pin_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
-    """On pins that poison undrained rooms (0.5.23) the poison is hooked, on pins whose Mooncake worker syncs a
-    room's status per endpoint (0.5.19) that sync is; elsewhere there is nothing to hook."""
-    from sglang.srt.disaggregation.common.conn import CommonKVManager
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+def test_optional_hooks_follow_the_release(sglang_modules: dict[str, Any]) -> None:
+    """Each optional hook is in place exactly where this release has its target (0.5.22+: the poison of an undrained
+    room, 0.5.19: Mooncake's per-endpoint status sync, 0.5.20+: the retired aborted result), and where it has not,
+    the start-up check does not count it missing; a required hook never is optional."""
+    import importlib
 
-    from sglang_harden.compat.hooks import is_in_place
+    from sglang_harden.compat import sglang_v05
+    from sglang_harden.compat.hooks import is_in_place, missing, probed_absent
 
-    pin_hooks = [*lifecycle_v05.pin_hooks(), *mooncake_backend.pin_hooks()]
-    targets = {h.qualname for h in pin_hooks}
-    assert ("CommonKVManager.poison_deferred_ack_room" in targets) == hasattr(CommonKVManager,
-                                                                              "poison_deferred_ack_room")
-    assert ("MooncakeKVManager.sync_status_to_decode_endpoint" in targets) == hasattr(
-        MooncakeKVManager, "sync_status_to_decode_endpoint")
-    assert all(is_in_place(h) for h in pin_hooks)
+    assert {h.qualname for h in sglang_v05.OPTIONAL_HOOKS} == {
+        "CommonKVManager.poison_deferred_ack_room", "MooncakeKVManager.sync_status_to_decode_endpoint",
+        "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result"}
+    for hook in sglang_v05.OPTIONAL_HOOKS:
+        module = importlib.import_module(hook.module)
+        owner, name = hook.qualname.split(".")
+        present = hasattr(getattr(module, owner), name)
+        assert is_in_place(hook) == present and probed_absent(hook) == (not present), hook.target
+        assert missing([hook]) == []
+    required = next(h for h in lifecycle_v05.HOOKS if not h.optional)
+    assert not probed_absent(required)
 
 
 def _concluded_room_manager(status: Any, outstanding: int) -> tuple[Any, list[Any], list[Any]]:
@@ -525,7 +530,7 @@ def test_abort_notice_for_a_concluded_room_in_flight_is_acked_once_it_settles(sg
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-    if RUNTIME.pin not in backends_common.DROPS_ACK_OF_CONCLUDED_ROOM["nixl"]:
+    if not backends_common.drops_ack_of_concluded_room("nixl"):
         pytest.skip(f"{RUNTIME.pin}: SGLang keeps the target of a concluded room with a chunk in flight itself")
     alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
     lifecycle_v05.NODE = node = PrefillNode.for_allocator(alloc)
@@ -560,7 +565,7 @@ def test_mooncake_abort_notices_are_watched_on_the_listener_socket(sglang_module
     socket and manager here; every other message passes untouched."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    if RUNTIME.pin not in backends_common.DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"]:
+    if not backends_common.drops_ack_of_concluded_room("mooncake"):
         pytest.skip(f"{RUNTIME.pin}: SGLang keeps the target of a concluded room with a chunk in flight itself")
     alloc = sglang_modules["token"].TokenToKVPoolAllocator(POOL, torch.float16, "cpu", None, True)
     lifecycle_v05.NODE = node = PrefillNode.for_allocator(alloc)

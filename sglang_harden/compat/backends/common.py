@@ -3,27 +3,31 @@ rooms a transfer worker has in flight (the ones a failed write belongs to)."""
 
 from __future__ import annotations
 
+import inspect
+import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from sglang_harden.compat import lifecycle_v05
+from sglang_harden.compat.backends import BACKEND_MODULES
 from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
-from sglang_harden.compat.runtime import RUNTIME
 
-# Pins (per backend) whose prefill answers a decode abort notice for a room that already concluded (Success, or
-# cleared) with a drain ack only when no chunk of the room is counted in flight, and otherwise with nothing: no ack
-# then, and no target kept for the worker to ack later, so decode's quarantine of the room never ends. Later pins
-# keep the target whenever a chunk is still counted.
-DROPS_ACK_OF_CONCLUDED_ROOM: dict[str, tuple[str, ...]] = {"mooncake": ("0.5.19", "0.5.20"),
-                                                            "nixl": ("0.5.19", "0.5.20", "0.5.21")}
+# The branch of a backend's abort-notice handler (prefill) that answers a notice for a room already concluded
+# (Success, or cleared) with a drain ack only when no chunk of the room is counted in flight, and has no else: no ack
+# then, and no target kept for the worker to ack later, so decode's quarantine of the room never ends. Releases
+# without it keep the target whenever a chunk is still counted.
+DROPPING_BRANCH = "elif self._staging_outstanding.get(room_to_be_aborted, 0) == 0:"
+_drops_ack: dict[str, bool] = {}
 ABORT_TAG = b"ABORT"
+logger = logging.getLogger("sglang_harden")
 
 
 def note_abort_notice(mgr: Any, backend: str, msg: Sequence[bytes]) -> None:
-    """Keep the drain-ack target of an abort notice SGLang is about to drop (see DROPS_ACK_OF_CONCLUDED_ROOM); the
+    """Keep the drain-ack target of an abort notice SGLang is about to drop (see :data:`DROPPING_BRANCH`); the
     ack goes out once the room settled (:meth:`PrefillNode.settle_pending`)."""
     node = lifecycle_v05.NODE
-    if not isinstance(node, PrefillNode) or RUNTIME.pin not in DROPS_ACK_OF_CONCLUDED_ROOM.get(backend, ()):
+    if not isinstance(node, PrefillNode) or not drops_ack_of_concluded_room(backend):
         return
     notice = _abort_notice(msg)
     if notice is None or not getattr(mgr, "enable_deferred_decode_kv_release", False):
@@ -33,6 +37,23 @@ def note_abort_notice(mgr: Any, backend: str, msg: Sequence[bytes]) -> None:
     if concluded and mgr._staging_outstanding.get(room, 0) > 0:
         node.kv_mgr = node.kv_mgr or mgr
         node.orphan_targets[room] = (decode_ip, decode_port)
+
+
+def drops_ack_of_concluded_room(backend: str) -> bool:
+    """Whether this release's ``backend`` handler has :data:`DROPPING_BRANCH` (read from its code once). Code that
+    cannot be read counts as dropping: the guard then keeps the target itself, and a second ack of a drained room
+    is harmless where a missing one holds decode's pages for good."""
+    if backend not in _drops_ack:
+        module = sys.modules.get(BACKEND_MODULES.get(backend, ""))
+        if module is None:
+            return True  # not imported yet: decide (and remember) once it is
+        try:
+            _drops_ack[backend] = DROPPING_BRANCH in inspect.getsource(module)
+        except (OSError, TypeError) as exc:
+            logger.warning("sglang-harden lifecycle: %s's source is not readable (%r); keeping the drain-ack target "
+                           "of every concluded room with a chunk in flight", module.__name__, exc)
+            _drops_ack[backend] = True
+    return _drops_ack[backend]
 
 
 def _abort_notice(msg: Sequence[bytes]) -> tuple[int, str, int] | None:

@@ -11,7 +11,7 @@ from typing import Any
 from sglang_harden import events
 from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.backends import MOONCAKE
-from sglang_harden.compat.backends.common import DROPS_ACK_OF_CONCLUDED_ROOM, note_abort_notice, rooms_in_flight
+from sglang_harden.compat.backends.common import drops_ack_of_concluded_room, note_abort_notice, rooms_in_flight
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
 from sglang_harden.compat.runtime import RUNTIME
@@ -53,8 +53,8 @@ def _send_windows(original: Func, mgr: Any, session: str, src: Any, ptrs: Any, d
 
 
 class _NoticeWatchingSocket:
-    """Mooncake's prefill bootstrap socket, as its listener thread reads it (on the pins listed in
-    DROPS_ACK_OF_CONCLUDED_ROOM the thread handles abort notices inline, with no method to hook)."""
+    """Mooncake's prefill bootstrap socket, as its listener thread reads it (on releases with the dropping branch,
+    ``common.DROPPING_BRANCH``, the thread handles abort notices inline, with no method to hook)."""
 
     def __init__(self, socket: Any, mgr: Any):
         self._socket, self._mgr = socket, mgr
@@ -70,8 +70,7 @@ class _NoticeWatchingSocket:
 
 def _mooncake_abort_notices(original: Func) -> Func:
     def start_prefill_thread(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if RUNTIME.pin in DROPS_ACK_OF_CONCLUDED_ROOM["mooncake"] and not isinstance(self.server_socket,
-                                                                                     _NoticeWatchingSocket):
+        if drops_ack_of_concluded_room("mooncake") and not isinstance(self.server_socket, _NoticeWatchingSocket):
             self.server_socket = _NoticeWatchingSocket(self.server_socket, self)
         return original(self, *args, **kwargs)
 
@@ -117,15 +116,8 @@ HOOKS: list[Hook] = [
          ("self", "mooncake_session_id", "prefill_kv_indices", "dst_kv_ptrs", "dst_kv_indices", "executor"),
          _send_kvcache),
     Hook("lifecycle", MOONCAKE, "MooncakeKVManager.start_prefill_thread", ("self",), _mooncake_abort_notices),
+    # Releases whose Mooncake transfer worker tells decode of a room's status itself, one endpoint at a time, have
+    # this (later ones conclude a room through CommonKVManager).
+    Hook("lifecycle", MOONCAKE, "MooncakeKVManager.sync_status_to_decode_endpoint",
+         ("self", "remote", "dst_port", "room", "status"), _failure_with_drain_evidence, optional=True),
 ]
-
-# Pins whose Mooncake transfer worker tells decode of a room's status itself, one endpoint at a time (later pins
-# conclude a room through CommonKVManager).
-SYNCS_STATUS_PER_ENDPOINT = ("0.5.19",)
-
-EVIDENCE_HOOKS = [Hook("lifecycle", MOONCAKE, "MooncakeKVManager.sync_status_to_decode_endpoint",
-                       ("self", "remote", "dst_port", "room", "status"), _failure_with_drain_evidence)]
-
-
-def pin_hooks() -> list[Hook]:
-    return EVIDENCE_HOOKS if RUNTIME.pin in SYNCS_STATUS_PER_ENDPOINT else []
