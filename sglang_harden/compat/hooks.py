@@ -100,7 +100,8 @@ def _install(hook: Hook, key: str, module: ModuleType) -> None:
     func = raw.__func__ if isinstance(raw, staticmethod | classmethod) else raw
     _check_params(hook, func)
     wrapped = _wrap(hook, key, func)
-    functools.update_wrapper(wrapped, func)
+    if wrapped is not func:  # a hook that joins a wrapper already there (the commit chain) adds only its mark
+        functools.update_wrapper(wrapped, func)
     marks = set(getattr(func, WRAPPED_MARK, ())) | {hook.owner}
     setattr(wrapped, WRAPPED_MARK, frozenset(marks))
     if is_static:
@@ -115,7 +116,7 @@ def _install(hook: Hook, key: str, module: ModuleType) -> None:
 
 def _wrap(hook: Hook, key: str, func: Callable[..., object]) -> Callable[..., object]:
     """``hook``'s wrapper around ``func``; with its owner in ``SGLANG_HARDEN_TIME_HOOKS``, inside a timer."""
-    if hook.owner not in hook_timer.timed_owners():
+    if hook.owner not in hook_timer.timed_owners() or getattr(hook.make_wrapper, "times_itself", False):
         return hook.make_wrapper(func)
     return hook_timer.outer(hook.make_wrapper(hook_timer.inner(func)), key)
 

@@ -91,25 +91,23 @@ def _stamp(room: int, pages: list[int], pool: Any) -> None:
 
 def check_before_commit(is_fake_transfer: Callable[[Any], bool],
                         abort_transferred: Callable[[Any, Any, Decision], None],
-                        agree: Callable[[Any, Decision, str], Decision]) -> Callable[[Func], Func]:
-    """``DecodeTransferQueue._commit_transfer_to_req(decode_req)``: abort when a stamped page is unwritten."""
+                        agree: Callable[[Any, Decision, str], Decision]) -> Callable[[Any, Any, dict[str, Any]], bool]:
+    """Commit-chain step (``DecodeTransferQueue._commit_transfer_to_req``): refuse when a stamped page is
+    unwritten."""
 
-    def make(original: Func) -> Func:
-        def commit(self: Any, decode_req: Any) -> Any:
-            mode = RUNTIME.config.canary
-            req = decode_req.req
-            if mode is Mode.OFF or is_fake_transfer(req):
-                return original(self, decode_req)
-            rid = str(req.rid)
-            decision = agree(self, _local_decision(rid, getattr(req, "bootstrap_room", None)), rid)
-            if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
-                abort_transferred(self, decode_req, decision)
-                return None
-            return original(self, decode_req)
+    def canary_step(queue: Any, decode_req: Any, _context: dict[str, Any]) -> bool:
+        mode = RUNTIME.config.canary
+        req = decode_req.req
+        if mode is Mode.OFF or is_fake_transfer(req):
+            return False
+        rid = str(req.rid)
+        decision = agree(queue, _local_decision(rid, getattr(req, "bootstrap_room", None)), rid)
+        if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
+            abort_transferred(queue, decode_req, decision)
+            return True
+        return False
 
-        return commit
-
-    return make
+    return canary_step
 
 
 def _local_decision(rid: str, room: Any) -> Decision:

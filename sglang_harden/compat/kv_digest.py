@@ -208,27 +208,24 @@ def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> No
 # ----------------------------------------------------------------------------------------------- decode
 
 
-def verify_before_commit(reader: DigestReader) -> Callable[[Func], Func]:
-    """``DecodeTransferQueue._commit_transfer_to_req(decode_req)``: every rank verifies its shard, the ranks
-    agree, and a mismatch aborts the request before its first decode step."""
+def verify_before_commit(reader: DigestReader) -> Callable[[Any, Any, dict[str, Any]], bool]:
+    """Commit-chain step (``DecodeTransferQueue._commit_transfer_to_req``): every rank verifies its shard, the
+    ranks agree, and a mismatch aborts the request before its first decode step."""
 
-    def make(original: Func) -> Func:
-        def commit(self: Any, decode_req: Any) -> Any:
-            mode = RUNTIME.config.checksum
-            req = decode_req.req
-            if mode is Mode.OFF or reader.is_fake_transfer(req):
-                return original(self, decode_req)
-            began = time.perf_counter()
-            decision = agree_on_group(self, _local_decision(self, decode_req, reader), str(req.rid))
-            TIMER.add("verify", time.perf_counter() - began)
-            if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
-                reader.abort_transferred(self, decode_req, decision)
-                return None
-            return original(self, decode_req)
+    def checksum_step(queue: Any, decode_req: Any, _context: dict[str, Any]) -> bool:
+        mode = RUNTIME.config.checksum
+        req = decode_req.req
+        if mode is Mode.OFF or reader.is_fake_transfer(req):
+            return False
+        began = time.perf_counter()
+        decision = agree_on_group(queue, _local_decision(queue, decode_req, reader), str(req.rid))
+        TIMER.add("verify", time.perf_counter() - began)
+        if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
+            reader.abort_transferred(queue, decode_req, decision)
+            return True
+        return False
 
-        return commit
-
-    return make
+    return checksum_step
 
 
 def _local_decision(queue: Any, decode_req: Any, reader: DigestReader) -> Decision:

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
+from sglang_harden.compat import commit_chain
 from sglang_harden.compat.abort_v05 import abort_and_stream
 from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
 from sglang_harden.compat.lifecycle_nodes import (
@@ -220,20 +221,13 @@ def _send_metadata(original: Func) -> Func:
     return send_metadata
 
 
-TRANSFER_ATTR = "_sglang_harden_transfer"
-
-
-def _commit_finishes_transfer(original: Func) -> Func:
-    """The ledger learns the transfer finished (its pages written) before SGLang commits the request."""
-
-    def commit(self: Any, decode_req: Any) -> Any:
-        node = NODE
-        room = getattr(decode_req.req, "bootstrap_room", None)
-        transfer = node.finish(int(room)) if isinstance(node, DecodeNode) and room is not None else None
-        setattr(decode_req, TRANSFER_ATTR, transfer)
-        return original(self, decode_req)
-
-    return commit
+def _finish_transfer(_queue: Any, decode_req: Any, context: dict[str, Any]) -> bool:
+    """Commit-chain step: the ledger learns the transfer finished (its pages written) before SGLang commits the
+    request; its record goes to the page-tag step in ``context``."""
+    node = NODE
+    room = getattr(decode_req.req, "bootstrap_room", None)
+    context["transfer"] = node.finish(int(room)) if isinstance(node, DecodeNode) and room is not None else None
+    return False
 
 
 def _confirmations_first(original: Func) -> Func:
@@ -464,8 +458,7 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", CONN, "CommonKVManager.register_deferred_ack_target", ("self", "room"), _capture_ack_target),
     Hook("lifecycle", INVARIANTS, "SchedulerInvariantChecker._check_pool_invariant",
          ("pool_name", "available", "evictable", "protected", "session_held", "total"), _account_held_pages),
-    Hook("lifecycle", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
-         _commit_finishes_transfer),
+    commit_chain.hook("lifecycle", "ledger", _finish_transfer),
     # Releases whose CommonKVManager "poisons" a room it cannot prove drained (and then never acks it) have this.
     Hook("lifecycle", CONN, "CommonKVManager.poison_deferred_ack_room", ("self", "room"), _keep_poisoned_target,
          optional=True),
@@ -475,13 +468,14 @@ HOOKS: list[Hook] = [
 # their own owner only then. Lifecycle's decisions stay off (mode off releases every freed page at once, changes no
 # SGLang setting and makes no prefill node).
 # Known by their wrappers, so a backend's receiver hook (it wraps ``_send_metadata``) is one without being listed.
-LEDGER_WRAPPERS = (_scheduler_init, _token_free, _paged_release, _send_metadata, _commit_finishes_transfer)
+LEDGER_WRAPPERS = (_scheduler_init, _token_free, _paged_release, _send_metadata)
 
 
 def ledger_hooks(lifecycle_hooks: list[Hook]) -> list[Hook]:
     """The page-tag guard's copies of the ledger-keeping lifecycle hooks (the backends' receivers included)."""
-    return [replace(hook, owner=PAGE_LEDGER_OWNER) for hook in lifecycle_hooks
-            if hook.owner == "lifecycle" and hook.make_wrapper in LEDGER_WRAPPERS]
+    copies = [replace(hook, owner=PAGE_LEDGER_OWNER) for hook in lifecycle_hooks
+              if hook.owner == "lifecycle" and hook.make_wrapper in LEDGER_WRAPPERS]
+    return [*copies, commit_chain.hook(PAGE_LEDGER_OWNER, "ledger", _finish_transfer)]
 
 
 ROLES: dict[str, set[str]] = {"lifecycle": {"prefill", "decode"}, "page_tags": {"decode"},

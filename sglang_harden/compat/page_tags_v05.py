@@ -1,5 +1,6 @@
-"""Page ownership tags on SGLang 0.5.19 … 0.5.23: after decode commits a transfer, every prompt page in the
-request's page table must be owned, written, by this very transfer's reservation (its cached prefix aside).
+"""Page ownership tags on SGLang 0.5.19 … 0.5.23: after decode commits a transfer (the last step of
+``compat/commit_chain.py``), every prompt page in the request's page table must be owned, written, by this very
+transfer's reservation (its cached prefix aside).
 
 Reads decode's page ledger, which the lifecycle hooks keep (``compat/lifecycle_v05.py``; with the lifecycle guard
 off its ledger-keeping hooks run for this guard alone). Decisions come from ``guards.page_tags``.
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
-from sglang_harden.compat import lifecycle_v05
+from sglang_harden.compat import commit_chain, lifecycle_v05
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.lifecycle_nodes import DecodeNode, Transfer
 from sglang_harden.compat.runtime import RUNTIME
@@ -24,25 +25,21 @@ TAGS_OK = allow(page_tags.GUARD)  # the hot path's ALLOW, made once (the log lin
 TAGS_OK_TALLY = events.Tally(TAGS_OK)
 
 
-def _commit_with_tags(original: Func) -> Func:
-    """After the commit (the lifecycle wrapper inside has finished the transfer), check the page table."""
+def _check_after_commit(queue: Any, decode_req: Any, context: dict[str, Any]) -> bool:
+    """Commit-chain step, after SGLang's commit: check the page table against the transfer the ledger step
+    finished (``context["transfer"]``)."""
+    req = decode_req.req
+    transfer = context.get("transfer")
+    if transfer is None or _aborted(req):
+        return False
+    refused = verify_page_tags(lifecycle_v05.NODE, queue.scheduler, req, transfer)  # type: ignore[arg-type]
+    if refused is None:
+        return False
+    from sglang.srt.disaggregation.utils import prepare_abort
 
-    def commit(self: Any, decode_req: Any) -> Any:
-        node = lifecycle_v05.NODE
-        req = decode_req.req
-        result = original(self, decode_req)
-        transfer = getattr(decode_req, lifecycle_v05.TRANSFER_ATTR, None)
-        if transfer is None or _aborted(req):
-            return result
-        refused = verify_page_tags(node, self.scheduler, req, transfer)  # type: ignore[arg-type]
-        if refused is not None:
-            from sglang.srt.disaggregation.utils import prepare_abort
-
-            prepare_abort(req, "sglang-harden page ownership check failed: " + refused.reason,
-                          status_code=refused.status_code or 500)
-        return result
-
-    return commit
+    prepare_abort(req, "sglang-harden page ownership check failed: " + refused.reason,
+                  status_code=refused.status_code or 500)
+    return True
 
 
 def verify_page_tags(node: DecodeNode, scheduler: Any, req: Any, transfer: Transfer) -> Decision | None:
@@ -105,7 +102,4 @@ def _aborted(req: Any) -> bool:
     return reason is not None and type(reason).__name__ == "FINISH_ABORT"
 
 
-HOOKS: list[Hook] = [
-    Hook("page_tags", lifecycle_v05.DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
-         _commit_with_tags),
-]
+HOOKS: list[Hook] = [commit_chain.hook("page_tags", "page_tags", _check_after_commit)]

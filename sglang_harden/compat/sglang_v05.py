@@ -12,7 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import control_auth, hook_timer, kv_canary, kv_digest, lifecycle_v05, page_tags_v05
+from sglang_harden.compat import (
+    commit_chain,
+    control_auth,
+    hook_timer,
+    kv_canary,
+    kv_digest,
+    lifecycle_v05,
+    page_tags_v05,
+)
 from sglang_harden.compat.abort_v05 import abort_and_stream, is_aborted
 from sglang_harden.compat.backends import MOONCAKE, NIXL, check_backend, needed_on_backend
 from sglang_harden.compat.backends import mooncake as mooncake_backend
@@ -98,21 +106,19 @@ def _publish_coverage(original: Func) -> Func:
     return set_buf
 
 
-def _check_coverage(original: Func) -> Func:
-    def commit(self: Any, decode_req: Any) -> Any:
-        req = decode_req.req
-        if _is_fake_transfer(req):
-            return original(self, decode_req)
-        room = int(req.bootstrap_room or 0)
-        raw = int(self.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index][COVERAGE_SLOT])
-        sent = coverage.decode_coverage(raw, room)
-        decision = coverage.decide_commit(str(req.rid), len(req.origin_input_ids), sent)
-        if events.record(decision, RUNTIME.config.coverage, room=room):
-            _abort_transferred(self, decode_req, decision)
-            return None
-        return original(self, decode_req)
-
-    return commit
+def _coverage_step(queue: Any, decode_req: Any, _context: dict[str, Any]) -> bool:
+    """Commit-chain step: refuse a transfer that covered fewer tokens than decode reserved."""
+    req = decode_req.req
+    if _is_fake_transfer(req):
+        return False
+    room = int(req.bootstrap_room or 0)
+    raw = int(queue.metadata_buffers.cached_tokens[decode_req.metadata_buffer_index][COVERAGE_SLOT])
+    sent = coverage.decode_coverage(raw, room)
+    decision = coverage.decide_commit(str(req.rid), len(req.origin_input_ids), sent)
+    if events.record(decision, RUNTIME.config.coverage, room=room):
+        _abort_transferred(queue, decode_req, decision)
+        return True
+    return False
 
 
 def _abort_transferred(_queue: Any, decode_req: Any, decision: Decision) -> None:
@@ -275,21 +281,20 @@ HOOKS: list[Hook] = [
          _door("prefill")),
     Hook("admission", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"),
          _door("decode")),
-    # Listed before retire and coverage, so their wrappers sit outside: a retired request is never digested,
-    # and at decode's commit the cheap checks speak first (page tags, coverage, canary, then the digest).
+    # Listed before retire, so its wrapper sits outside: a retired request is never digested.
     Hook("checksum", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), kv_digest.publish_sent_digest(DIGEST_READER)),
-    Hook("checksum", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
-         kv_digest.verify_before_commit(DIGEST_READER)),
     Hook("canary", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), kv_canary.stamp_before_send),
     Hook("canary", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), kv_canary.stamp_before_send),
-    Hook("canary", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
-         kv_canary.check_before_commit(_is_fake_transfer, _abort_transferred, kv_digest.agree_on_group)),
     Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
-    Hook("coverage", DECODE, "DecodeTransferQueue._commit_transfer_to_req", ("self", "decode_req"),
-         _check_coverage),
+    # Decode's commit: one chain whose order is commit_chain's (ledger, coverage, canary, checksum; then page tags),
+    # not this list's.
+    commit_chain.hook("coverage", "coverage", _coverage_step),
+    commit_chain.hook("canary", "canary", kv_canary.check_before_commit(_is_fake_transfer, _abort_transferred,
+                                                                      kv_digest.agree_on_group)),
+    commit_chain.hook("checksum", "checksum", kv_digest.verify_before_commit(DIGEST_READER)),
     Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), abort_routes),
     Hook("checksum", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), digest_routes),
     # Listed after abort_notify's routes, so the token check sits outside and sees every route.

@@ -244,6 +244,7 @@ def _canary_commit(pool: Any, room: int, written: list[int], pages: list[int]) -
     import numpy as np
 
     from sglang_harden.compat import kv_canary
+    from sglang_harden.compat.commit_chain import CommitChain
     from sglang_harden.compat.runtime import RUNTIME
 
     RUNTIME.decode_kv_pool = pool
@@ -256,9 +257,10 @@ def _canary_commit(pool: Any, room: int, written: list[int], pages: list[int]) -
             for s, d in zip(src, dst, strict=True):
                 d[page] = s[page]
     aborted: list[Any] = []
-    commit = kv_canary.check_before_commit(
-        lambda req: False, lambda queue, dreq, decision: aborted.append(decision), lambda queue, d, rid: d
-    )(lambda self, decode_req: "committed")
+    chain = CommitChain()
+    chain.join("canary", kv_canary.check_before_commit(
+        lambda req: False, lambda queue, dreq, decision: aborted.append(decision), lambda queue, d, rid: d))
+    commit = chain.around(lambda self, decode_req: "committed")
     req = SimpleNamespace(rid=f"canary-{room}", bootstrap_room=room)
     result = commit(SimpleNamespace(), SimpleNamespace(req=req))
     return result, aborted, sent

@@ -33,6 +33,7 @@ from sglang_harden.compat import activate, lifecycle_v05, page_tags_v05  # noqa:
 from sglang_harden.compat.backends import common as backends_common  # noqa: E402
 from sglang_harden.compat.backends import mooncake as mooncake_backend  # noqa: E402
 from sglang_harden.compat.backends import nixl as nixl_backend  # noqa: E402
+from sglang_harden.compat.commit_chain import CommitChain  # noqa: E402
 from sglang_harden.compat.lifecycle_nodes import DecodeNode, PrefillNode, owner_of_room  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
@@ -324,9 +325,10 @@ def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
                           prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
     queue = SimpleNamespace(scheduler=_scheduler_with_table(rows))
     committed: list[str] = []
-    inner = lifecycle_v05._commit_finishes_transfer(lambda self, decode_req: committed.append(decode_req.req.rid))
-    wrapped = page_tags_v05._commit_with_tags(inner)
-    wrapped(queue, SimpleNamespace(req=req))
+    chain = CommitChain()
+    chain.join("ledger", lifecycle_v05._finish_transfer)
+    chain.join("page_tags", page_tags_v05._check_after_commit)
+    chain.around(lambda self, decode_req: committed.append(decode_req.req.rid))(queue, SimpleNamespace(req=req))
     assert committed == ["req-c"]
     assert type(req.finished_reason).__name__ == "FINISH_ABORT"
     assert "page ownership" in req.finished_reason.message
