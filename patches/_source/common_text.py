@@ -1,5 +1,7 @@
 """Shared patch text (headers and code blocks) for the 0.5.x series."""
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 EMBED_MARK = "# ---- embedded in the backport series from here on\n"
 REPO = Path(__file__).resolve().parents[2]
@@ -26,15 +28,27 @@ def with_embeds(name: str, embeds: tuple[str, ...]) -> str:
 PD_REJECTIONS = with_embeds("pd_rejections.py", ("sglang_harden/channels/abort_wire.py",))
 PD_COVERAGE = with_embeds("pd_coverage.py", ("sglang_harden/channels/coverage_wire.py",))
 PD_AUTH = with_embeds("pd_auth.py", ("sglang_harden/compat/signing_client.py", "sglang_harden/compat/bootstrap_http.py"))
-PREFILL = "sglang/srt/disaggregation/prefill.py"
-DECODE = "sglang/srt/disaggregation/decode.py"
-UTILS = "sglang/srt/disaggregation/utils.py"
-CONN = "sglang/srt/disaggregation/common/conn.py"
-NEWMOD = "sglang/srt/disaggregation/common/pd_rejections.py"
-AUTHMOD = "sglang/srt/disaggregation/common/pd_auth.py"
-COVMOD = "sglang/srt/disaggregation/common/pd_coverage.py"
-SCHED = "sglang/srt/managers/scheduler.py"
-TOKENIZER = "sglang/srt/managers/tokenizer_manager.py"
+
+def _internals() -> ModuleType:
+    """sglang-harden's one description of SGLang's names (``compat/internals.py``), loaded by path: the series
+    name the same files the plugin hooks, without importing the plugin."""
+    spec = importlib.util.spec_from_file_location("_sglang_internals", REPO / "sglang_harden/compat/internals.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_SG = _internals()
+PREFILL = _SG.source_file(_SG.PREFILL)
+DECODE = _SG.source_file(_SG.DECODE)
+UTILS = _SG.source_file(_SG.UTILS)
+CONN = _SG.source_file(_SG.CONN)
+NEWMOD = _SG.source_file(f"{_SG.PD}.common.pd_rejections")
+AUTHMOD = _SG.source_file(f"{_SG.PD}.common.pd_auth")
+COVMOD = _SG.source_file(f"{_SG.PD}.common.pd_coverage")
+SCHED = _SG.source_file(_SG.SCHEDULER)
+TOKENIZER = _SG.source_file(_SG.TOKENIZER)
+MOONCAKE = _SG.source_file(_SG.MOONCAKE)
 
 H_ADMISSION = """\
 sglang-harden backport: admission at both PD doors

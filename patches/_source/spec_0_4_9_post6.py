@@ -4,7 +4,6 @@ the coverage patch carries the room itself; decode commits inline in pop_transfe
 
 from common_text import *  # noqa: F403
 
-MOONCAKE = "sglang/srt/disaggregation/mooncake/conn.py"
 
 H_ADMISSION_049 = H_ADMISSION.replace(
     "(a FINISH_ABORT left in req.to_finish or req.finished_reason, e.g.",

@@ -17,6 +17,7 @@ from typing import Any
 
 from sglang_harden.compat import hook_timer
 from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.internals import COMMIT
 
 Func = Callable[..., Any]
 # (the transfer queue, SGLang's DecodeRequest, this commit's context) -> True when it refused (and aborted) the request
@@ -24,8 +25,8 @@ Step = Callable[[Any, Any, dict[str, Any]], bool]
 
 BEFORE_COMMIT = ("ledger", "coverage", "canary", "checksum")
 AFTER_COMMIT = ("page_tags",)
-MODULE, QUALNAME, PARAMS = "sglang.srt.disaggregation.decode", "DecodeTransferQueue._commit_transfer_to_req", (
-    "self", "decode_req")
+MODULE, QUALNAME = COMMIT
+PARAMS = ("self", "decode_req")
 TARGET = f"{MODULE}.{QUALNAME}"
 CHAIN_MARK = "__sglang_harden_commit_chain__"
 

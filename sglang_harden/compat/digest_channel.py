@@ -145,51 +145,7 @@ class Fetched:
     via: str = "board"  # "feed": decode's feed reader had them; "board": queried from prefill's board
 
 
-class KeptAlive:
-    """One kept-alive HTTP connection per (thread, address) for the digest routes (prefill's posts, decode's
-    queries): a request then costs one round trip on an open socket, not a TCP handshake. A kept connection the
-    server closed is replaced once."""
-
-    MAX_BODY = 1 << 22
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def request(
-        self, method: str, addr: str, path: str, timeout_s: float, body: bytes | None = None
-    ) -> tuple[int, bytes]:
-        connections: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("connections", {})
-        while True:
-            connection = connections.get(addr)
-            fresh = connection is None
-            if connection is None:
-                connection = connections[addr] = http.client.HTTPConnection(addr, timeout=timeout_s)
-            elif connection.sock is not None:
-                connection.sock.settimeout(timeout_s)
-            try:
-                return self._exchange(connection, method, path, body)
-            except (http.client.HTTPException, OSError):
-                connections.pop(addr, None)
-                connection.close()
-                if fresh:
-                    raise
-
-    def _exchange(
-        self, connection: http.client.HTTPConnection, method: str, path: str, body: bytes | None
-    ) -> tuple[int, bytes]:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        headers.update(signing.headers(method, path, body))
-        connection.request(method, path, body=body, headers=headers)
-        response = connection.getresponse()
-        if int(response.getheader("Content-Length") or 0) > self.MAX_BODY:
-            raise http.client.HTTPException(f"answer longer than {self.MAX_BODY} bytes")
-        answer = response.read()
-        if response.will_close:
-            connection.close()
-        return response.status, answer
-
-
-CONNECTIONS = KeptAlive()
+CONNECTIONS = signing.CLIENT  # kept-alive, signed (channels/http_client.py)
 
 
 def fetch_digests(

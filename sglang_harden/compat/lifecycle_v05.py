@@ -49,6 +49,17 @@ from sglang_harden import events
 from sglang_harden.compat import commit_chain
 from sglang_harden.compat.abort_v05 import abort_and_stream
 from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
+from sglang_harden.compat.internals import (
+    ALLOC_PAGED,
+    ALLOC_TOKEN,
+    CONN,
+    DECODE_DOOR,
+    INVARIANTS,
+    NOTE_ABORT_ACK,
+    POP_TRANSFERRED,
+    PREFILL,
+    SCHEDULER,
+)
 from sglang_harden.compat.lifecycle_nodes import (
     PUBLISHED,
     DecodeNode,
@@ -65,13 +76,6 @@ logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
 
-DECODE = "sglang.srt.disaggregation.decode"
-PREFILL = "sglang.srt.disaggregation.prefill"
-CONN = "sglang.srt.disaggregation.common.conn"
-SCHEDULER = "sglang.srt.managers.scheduler"
-ALLOC_TOKEN = "sglang.srt.mem_cache.allocator.token"
-ALLOC_PAGED = "sglang.srt.mem_cache.allocator.paged"
-INVARIANTS = "sglang.srt.managers.scheduler_components.invariant_checker"
 
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 WINDOW_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
@@ -445,9 +449,9 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self",), _paged_release),
     Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
-    Hook("lifecycle", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _confirmations_first),
-    Hook("lifecycle", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"), _quarantine_door),
-    Hook("lifecycle", CONN, "CommonKVManager.note_abort_ack", ("self", "bootstrap_room", "prefill_rank"),
+    Hook("lifecycle", *POP_TRANSFERRED, ("self",), _confirmations_first),
+    Hook("lifecycle", *DECODE_DOOR, ("self", "req", "is_retracted"), _quarantine_door),
+    Hook("lifecycle", *NOTE_ABORT_ACK, ("self", "bootstrap_room", "prefill_rank"),
          _note_ack),
     Hook("lifecycle", CONN, "CommonKVManager._handle_node_failure", ("self", "failed_bootstrap_addr"),
          _note_gone),

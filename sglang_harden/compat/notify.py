@@ -12,13 +12,13 @@ This module knows no SGLang names: the family adapter passes the callbacks that 
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import weakref
 from collections.abc import Callable
 
@@ -56,6 +56,7 @@ class Publisher:
 
     def __init__(self, base_url: str) -> None:
         self._base_url = base_url.rstrip("/")
+        self._addr = urllib.parse.urlsplit(self._base_url).netloc
         self._queue: queue.Queue[PeerAbort] = queue.Queue(maxsize=BOARD_CAPACITY)
         threading.Thread(target=self._run, name="sglang-harden-abort-publisher", daemon=True).start()
 
@@ -72,20 +73,11 @@ class Publisher:
             self._post_with_retries(abort)
 
     def _post_with_retries(self, abort: PeerAbort) -> None:
-        body = abort_wire.notice_body(abort)
-        for attempt in range(5):
-            try:
-                request = urllib.request.Request(
-                    self._base_url + ROUTE, data=body, method="PUT",
-                    headers={"Content-Type": "application/json", **_signed("PUT", ROUTE, body)},
-                )
-                with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError) as exc:
-                logger.warning("sglang-harden: publishing abort of room %s failed: %s", abort.room, exc)
-            time.sleep(0.2 * (attempt + 1))
-        logger.error("sglang-harden: gave up publishing abort of room %s to %s", abort.room, self._base_url)
+        status, failure = signing.CLIENT.request_until("PUT", self._addr, ROUTE, HTTP_TIMEOUT_S,
+                                                       abort_wire.notice_body(abort), attempts=5, pause_s=0.2)
+        if status != 200:
+            logger.error("sglang-harden: gave up publishing abort of room %s to %s (last: %s)", abort.room,
+                         self._base_url, failure or f"HTTP {status}")
 
 
 OnPeerAbort = Callable[[object, PeerAbort], None]
@@ -161,19 +153,16 @@ def _concluded(receiver: object) -> bool:
 
 def fetch_aborts(addr: str, rooms: list[int]) -> list[PeerAbort]:
     target = abort_wire.rooms_target(rooms)
-    request = urllib.request.Request(f"http://{addr}{target}", headers=_signed("GET", target, b""))
     try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
-            data = json.loads(response.read(1 << 20))
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        status, body = signing.CLIENT.request("GET", addr, target, HTTP_TIMEOUT_S)
+        data = json.loads(body) if status == 200 else None
+    except (http.client.HTTPException, OSError, ValueError) as exc:
         logger.debug("sglang-harden: abort query to %s failed: %s", addr, exc)
+        return []
+    if data is None:
+        logger.debug("sglang-harden: abort query to %s answered HTTP %s", addr, status)
         return []
     found, malformed = abort_wire.parse_board_answer(data)
     for entry in malformed:
         logger.warning("sglang-harden: malformed abort entry from %s: %r", addr, entry)
     return found
-
-
-def _signed(method: str, target: str, body: bytes) -> dict[str, str]:
-    """The control-plane token header for this request ({} without a configured secret)."""
-    return signing.headers(method, target, body)

@@ -17,6 +17,16 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat.hooks import Hook, missing
+from sglang_harden.compat.internals import (
+    DECODE,
+    DECODE_DOOR,
+    MOONCAKE,
+    POP_TRANSFERRED,
+    PREFILL,
+    PREFILL_DOOR,
+    SCHEDULER,
+    UTILS,
+)
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
@@ -43,11 +53,6 @@ from sglang_harden.guards.base import Decision
 logger = logging.getLogger("sglang_harden")
 
 FAMILY = "sglang-0.4.9"
-PREFILL = "sglang.srt.disaggregation.prefill"
-DECODE = "sglang.srt.disaggregation.decode"
-UTILS = "sglang.srt.disaggregation.utils"
-MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
-SCHEDULER = "sglang.srt.managers.scheduler"
 COVERAGE_SLOT = 15  # output_ids[idx][15]: this pin writes only output_ids[idx][0]; 1..15 are RDMA padding
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's warm-up pairs decode with an in-process fake transfer (no KV)
 ABORT_NOTIFY_BACKENDS = ("mooncake",)
@@ -181,12 +186,12 @@ def _armed(owner: str) -> bool:
 # ---------------------------------------------------------------- the table
 
 HOOKS: list[Hook] = [
-    Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"), _door("prefill")),
-    Hook("admission", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"), _door("decode")),
+    Hook("admission", *PREFILL_DOOR, ("self", "req", "num_kv_heads"), _door("prefill")),
+    Hook("admission", *DECODE_DOOR, ("self", "req", "is_retracted"), _door("decode")),
     Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
-    Hook("coverage", DECODE, "DecodeTransferQueue.pop_transferred", ("self",), _check_coverage),
+    Hook("coverage", *POP_TRANSFERRED, ("self",), _check_coverage),
     Hook("abort_notify", MOONCAKE, "MooncakeKVBootstrapServer._setup_routes", ("self",), abort_routes),
     Hook("abort_notify", MOONCAKE, "MooncakeKVReceiver.__init__",
          ("self", "mgr", "bootstrap_addr", "bootstrap_room"), watch_receiver),

@@ -26,6 +26,16 @@ from sglang_harden.compat.backends import MOONCAKE, NIXL, check_backend, needed_
 from sglang_harden.compat.backends import mooncake as mooncake_backend
 from sglang_harden.compat.backends import nixl as nixl_backend
 from sglang_harden.compat.hooks import Hook, missing
+from sglang_harden.compat.internals import (
+    CONN,
+    DECODE,
+    DECODE_DOOR,
+    PREFILL,
+    PREFILL_DOOR,
+    SCHEDULER,
+    SETUP_ROUTES,
+    UTILS,
+)
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
@@ -58,11 +68,6 @@ from sglang_harden.guards.base import Decision, Verdict
 logger = logging.getLogger("sglang_harden")
 
 FAMILY = "sglang-0.5.19+"
-PREFILL = "sglang.srt.disaggregation.prefill"
-DECODE = "sglang.srt.disaggregation.decode"
-UTILS = "sglang.srt.disaggregation.utils"
-CONN = "sglang.srt.disaggregation.common.conn"
-SCHEDULER = "sglang.srt.managers.scheduler"
 COVERAGE_SLOT = 15  # cached_tokens[idx][15]: spare in this family (slots 0-6 are used upstream)
 
 Func = Callable[..., Any]
@@ -277,9 +282,9 @@ RETIRED_RESULT_HOOKS = [
 LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *mooncake_backend.HOOKS, *nixl_backend.HOOKS]
 
 HOOKS: list[Hook] = [
-    Hook("admission", PREFILL, "PrefillBootstrapQueue.add", ("self", "req", "num_kv_heads"),
+    Hook("admission", *PREFILL_DOOR, ("self", "req", "num_kv_heads"),
          _door("prefill")),
-    Hook("admission", DECODE, "DecodePreallocQueue.add", ("self", "req", "is_retracted"),
+    Hook("admission", *DECODE_DOOR, ("self", "req", "is_retracted"),
          _door("decode")),
     # Listed before retire, so its wrapper sits outside: a retired request is never digested.
     Hook("checksum", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
@@ -295,10 +300,10 @@ HOOKS: list[Hook] = [
     commit_chain.hook("canary", "canary", kv_canary.check_before_commit(_is_fake_transfer, _abort_transferred,
                                                                       kv_digest.agree_on_group)),
     commit_chain.hook("checksum", "checksum", kv_digest.verify_before_commit(DIGEST_READER)),
-    Hook("abort_notify", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), abort_routes),
-    Hook("checksum", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), digest_routes),
+    Hook("abort_notify", *SETUP_ROUTES, ("self",), abort_routes),
+    Hook("checksum", *SETUP_ROUTES, ("self",), digest_routes),
     # Listed after abort_notify's routes, so the token check sits outside and sees every route.
-    Hook("bootstrap_auth", CONN, "CommonKVBootstrapServer._setup_routes", ("self",), control_auth.require_tokens),
+    Hook("bootstrap_auth", *SETUP_ROUTES, ("self",), control_auth.require_tokens),
     Hook("abort_notify", CONN, "CommonKVReceiver.__init__", ("self", "mgr", "bootstrap_addr", "bootstrap_room"),
          watch_receiver),
     Hook("abort_notify", DECODE, "prepare_abort", ("req", "error_message", "status_code"), peer_status_abort),

@@ -25,6 +25,7 @@ from sglang_harden.compat.front_hooks import (  # noqa: F401
     tokenization_refusal,
     validation_refusal,
 )
+from sglang_harden.compat.internals import TOKENIZER  # noqa: F401 - the family tables import it from here
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import CapacityMode
 from sglang_harden.guards import admission, capacity, retire
@@ -35,7 +36,6 @@ from sglang_harden.guards.base import Decision, Verdict
 logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
-TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 
 
 def in_scheduler(hook: Any) -> bool:

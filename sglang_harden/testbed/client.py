@@ -1,8 +1,8 @@
 """HTTP helpers: plain ``/generate``, a paired PD request sent directly, and one through sglang-router.
 
-Stdlib only (the tests' python need not have ``requests``). A paired request posts the same body, plus
-``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, to the prefill and the decode server concurrently,
-which is what the router does.
+Stdlib only (the tests' python need not have ``requests``), through the operator tools' HTTP client. A paired
+request posts the same body, plus ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, to the prefill and the
+decode server concurrently, which is what the router does.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import random
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+from sglang_harden.tools import _http
+
+ANSWER_CAP_BYTES = 64 << 20
 
 
 @dataclass
@@ -65,13 +67,13 @@ class PairResult:
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    """One JSON exchange through the operator tools' client (``tools/_http.py``: a total deadline, a capped answer);
+    a transport failure is a ``ConnectionError`` naming it (callers treat it as any ``OSError``)."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, _decode(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, _decode(exc.read())
+        response = _http.request(method, url, body, timeout_s=timeout, max_bytes=ANSWER_CAP_BYTES)
+    except _http.HttpError as exc:
+        raise ConnectionError(str(exc)) from None
+    return response.status, _decode(response.body)
 
 
 def _decode(raw: bytes) -> Any:
@@ -104,7 +106,7 @@ def generate(url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResul
     start = time.monotonic()
     try:
         status, answer = http_json("POST", url.rstrip("/") + "/generate", body, timeout)
-    except (TimeoutError, urllib.error.URLError, ConnectionError) as exc:
+    except OSError as exc:
         return GenResult(status=-1, body={"error": repr(exc)}, elapsed_s=time.monotonic() - start)
     return _parse(status, answer, time.monotonic() - start)
 

@@ -8,6 +8,20 @@ import ast
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from sglang_harden.compat.internals import (  # noqa: F401 - the detectors import SGLang's names from here
+    ARG_GROUPS,
+    CONN,
+    DECODE,
+    ENVIRON,
+    KV_CANARY_MODULES,
+    MOONCAKE,
+    PREFILL,
+    SERVER_ARGS,
+    SET_FINISH_WITH_ABORT,
+    SRT,
+    UTILS,
+    backend_module,
+)
 from sglang_harden.tools._source import (
     FuncRef,
     SourceTree,
@@ -17,11 +31,6 @@ from sglang_harden.tools._source import (
     exits_early,
 )
 
-SRT = "sglang.srt"
-PREFILL = f"{SRT}.disaggregation.prefill"
-DECODE = f"{SRT}.disaggregation.decode"
-UTILS = f"{SRT}.disaggregation.utils"
-ENVIRON = f"{SRT}.environ"
 BACKENDS = ("mooncake", "nixl", "mori")
 
 # native status values
@@ -50,7 +59,7 @@ class Native:
 
 def abort_fields(tree: SourceTree) -> set[str]:
     """The Req field(s) a pending abort is recorded in: what ``set_finish_with_abort`` assigns."""
-    ref = tree.function(f"{SRT}.managers.schedule_batch", "Req.set_finish_with_abort")
+    ref = tree.function(*SET_FINISH_WITH_ABORT)
     if ref is None:
         return {"finished_reason"}
     written = {
@@ -120,7 +129,7 @@ def dominated_by(root: ast.AST, target: ast.AST, is_guard: Callable[[ast.If], bo
 
 
 def line_of(ref: FuncRef, node: ast.AST) -> str:
-    return f"{ref.module.removeprefix('sglang.srt.')}:{ref.qualname} line {getattr(node, 'lineno', '?')}"
+    return f"{ref.module.removeprefix(SRT + '.')}:{ref.qualname} line {getattr(node, 'lineno', '?')}"
 
 
 def env_default(tree: SourceTree, name: str) -> tuple[bool, str | None]:
@@ -133,7 +142,7 @@ def env_default(tree: SourceTree, name: str) -> tuple[bool, str | None]:
 
 
 def server_arg_default(tree: SourceTree, name: str) -> tuple[bool, str | None]:
-    modules = [f"{SRT}.server_args", *tree.submodules(f"{SRT}.arg_groups")]
+    modules = [SERVER_ARGS, *tree.submodules(ARG_GROUPS)]
     for module in modules:
         found, value = class_field_default(tree.module(module), name)
         if found:
@@ -146,14 +155,14 @@ def server_arg_default(tree: SourceTree, name: str) -> tuple[bool, str | None]:
 def backend_modules(tree: SourceTree) -> dict[str, str]:
     out = {}
     for backend in BACKENDS:
-        module = f"{SRT}.disaggregation.{backend}.conn"
+        module = backend_module(backend)
         if tree.path(module).exists():
             out[backend] = module
     return out
 
 
 def sender_classes(tree: SourceTree) -> Iterable[tuple[str, str]]:
-    modules = [f"{SRT}.disaggregation.common.conn", *backend_modules(tree).values()]
+    modules = [CONN, *backend_modules(tree).values()]
     for module in modules:
         for name in tree.classes(module):
             if name.endswith("KVSender"):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import ast
 import re
 
+from sglang_harden.compat.internals import SETUP_ROUTES
 from sglang_harden.tools._detect_base import (
+    CONN,
     NO,
     OPT_IN,
-    SRT,
     UNKNOWN,
     YES,
     Native,
+    backend_module,
     line_of,
     sender_classes,
     unique_refs,
@@ -46,7 +48,7 @@ _AUTH_RE = re.compile(r"auth|token|secret|signature|hmac|compare_digest", re.I)
 
 
 def detect_bootstrap_auth(tree: SourceTree) -> Native:
-    module = f"{SRT}.disaggregation.common.conn"
+    module = CONN
     handlers = [
         tree.function(module, f"CommonKVBootstrapServer.{name}") for name in ("_handle_route", "_handle_route_put")
     ]
@@ -63,7 +65,7 @@ def detect_bootstrap_auth(tree: SourceTree) -> Native:
         for call in calls(server_tree):
             if call_name(call) == "Application" and any(k.arg == "middlewares" for k in call.keywords):
                 return Native(YES, "bootstrap app has middlewares", [f"line {call.lineno}"])
-    setup = tree.function(module, "CommonKVBootstrapServer._setup_routes")
+    setup = tree.function(*SETUP_ROUTES)
     backport = _auth_module_call(setup) if setup is not None else None
     if backport is not None:
         return Native(OPT_IN, f"every bootstrap route checks a token once {BACKPORT_SECRET_ENV} names a secret file "
@@ -97,7 +99,7 @@ def _rejection_channel(tree: SourceTree) -> list[str] | None:
     """The backport's notice channel: a bootstrap server's ``_setup_routes`` adds a rejections module's routes
     (``pd_rejections.add_routes(self.app)``) and the KV manager beside it starts that module's watcher."""
     for package, server, manager_class in _CHANNEL_HOSTS:
-        module = f"{SRT}.disaggregation.{package}.conn"
+        module = backend_module(package)
         setup = tree.function(module, f"{server}._setup_routes")
         manager = tree.function(module, f"{manager_class}.__init__")
         if setup is None or manager is None:

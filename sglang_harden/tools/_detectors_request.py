@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
+from sglang_harden.compat.internals import COMMIT, DECODE_DOOR, POP_TRANSFERRED, PREFILL_DOOR
 from sglang_harden.tools._detect_base import (
     DECODE,
     NO,
@@ -29,8 +30,8 @@ from sglang_harden.tools._source import FuncRef, SourceTree, call_name, calls, e
 def detect_door_rejection(tree: SourceTree) -> Native:
     fields = abort_fields(tree)
     doors = {
-        "prefill": tree.function(PREFILL, "PrefillBootstrapQueue.add"),
-        "decode": tree.function(DECODE, "DecodePreallocQueue.add"),
+        "prefill": tree.function(*PREFILL_DOOR),
+        "decode": tree.function(*DECODE_DOOR),
     }
     missing = [name for name, ref in doors.items() if ref is None]
     if missing:
@@ -101,8 +102,8 @@ _ABORT_CALL_RE = re.compile(r"abort|retire|fail", re.I)
 
 def detect_coverage_check(tree: SourceTree) -> Native:
     roots = [
-        tree.function(DECODE, "DecodeTransferQueue._commit_transfer_to_req"),
-        tree.function(DECODE, "DecodeTransferQueue.pop_transferred"),
+        tree.function(*COMMIT),
+        tree.function(*POP_TRANSFERRED),
     ]
     roots = [r for r in roots if r is not None]
     if not roots:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import ast
 import re
 
+from sglang_harden.compat.internals import NOTE_ABORT_ACK
 from sglang_harden.tools._detect_base import (
+    CONN,
     DECODE,
+    KV_CANARY_MODULES,
+    MOONCAKE,
     NO,
     OPT_IN,
     PARTIAL,
-    SRT,
     UNKNOWN,
     YES,
     Native,
@@ -40,7 +43,7 @@ def detect_deferred_release(tree: SourceTree) -> Native:
 
 
 def _deferred_backends(tree: SourceTree) -> list[str]:
-    gated = "supports_deferred_decode_kv_release" in tree.text(f"{SRT}.disaggregation.common.conn")
+    gated = "supports_deferred_decode_kv_release" in tree.text(CONN)
     out = []
     for backend, module in backend_modules(tree).items():
         text = tree.text(module)
@@ -54,7 +57,7 @@ def _deferred_backends(tree: SourceTree) -> list[str]:
 
 def detect_kv_canary(tree: SourceTree) -> Native:
     found, default = server_arg_default(tree, "kv_canary")
-    kernel = tree.exists("sglang.kernels.ops.kv_canary") or tree.exists(f"{SRT}.kv_canary")
+    kernel = any(tree.exists(module) for module in KV_CANARY_MODULES)
     if not found or not kernel:
         return Native(NO, "no kv canary")
     evidence = ["server arg kv_canary", "sglang/kernels/ops/kv_canary"]
@@ -64,7 +67,7 @@ def detect_kv_canary(tree: SourceTree) -> Native:
 
 
 def detect_abort_ack(tree: SourceTree) -> Native:
-    common = f"{SRT}.disaggregation.common.conn"
+    common = CONN
     texts = {b: tree.text(m) for b, m in backend_modules(tree).items()}
     texts["common"] = tree.text(common)
     senders = sorted(b for b, t in texts.items() if "ABORT_ACK" in t and b != "common")
@@ -83,7 +86,7 @@ def detect_abort_ack(tree: SourceTree) -> Native:
         )
     if not keeping:
         return Native(UNKNOWN, "no KV sender clear() that keeps or drops the ack target")
-    ack = tree.function(common, "CommonKVManager.note_abort_ack")
+    ack = tree.function(*NOTE_ABORT_ACK)
     tagged = ack is not None and any(a.arg == "generation" for a in ack.node.args.args)
     detail = "retained until drained" + (", generation-tagged" if tagged else "")
     return Native(YES, f"{detail} ({', '.join(senders) or 'common'})", [f"{r.where} defers to drain" for r in keeping])
@@ -98,7 +101,7 @@ BATCH_ENV = "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"
 
 def detect_transfer_batch_bound(tree: SourceTree) -> Native:
     declared, default = env_default(tree, BATCH_ENV)
-    used = BATCH_ENV in tree.text(f"{SRT}.disaggregation.mooncake.conn")
+    used = BATCH_ENV in tree.text(MOONCAKE)
     if not (declared and used):
         return Native(NO, "Mooncake transfers a request's pages in one unbounded batch")
     evidence = [f"environ {BATCH_ENV}={default}", "read in mooncake/conn.py"]

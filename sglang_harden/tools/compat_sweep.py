@@ -30,11 +30,11 @@ from typing import Any
 
 from sglang_harden.compat.backends import BACKEND_MODULES
 from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
-from sglang_harden.compat.lifecycle_v05 import CONN
+from sglang_harden.compat.internals import CONN, PD
 from sglang_harden.config import GUARDS
 
 FAMILIES = ("sglang_v05", "sglang_v049")
-PD_PACKAGE = "sglang.srt.disaggregation"
+PD_PACKAGE = PD
 DEFAULT_FROM = "0.4.9.post6"
 HOOKABLE, NEEDS_PATCH, IMPOSSIBLE = "hookable", "needs a patch", "impossible"
 NOT_IN_ADAPTER = "the {} adapter has no hooks for this guard"

@@ -7,7 +7,7 @@ import pytest
 
 from sglang_harden.compat import backends, sglang_v05
 from sglang_harden.compat.backends import mooncake, nixl
-from sglang_harden.compat.lifecycle_v05 import CONN
+from sglang_harden.compat.internals import CONN
 
 
 def _hook(module: str) -> object:

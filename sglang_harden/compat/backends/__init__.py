@@ -12,9 +12,8 @@ so the guards that need a backend refuse to start on it, naming the way out.
 from __future__ import annotations
 
 from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.internals import MOONCAKE, NIXL
 
-MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
-NIXL = "sglang.srt.disaggregation.nixl.conn"
 BACKEND_MODULES = {"mooncake": MOONCAKE, "nixl": NIXL}
 
 

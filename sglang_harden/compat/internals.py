@@ -1,0 +1,50 @@
+"""SGLang's internal names, spelled once: the modules sglang-harden hooks, reads or patches, and the choke points
+that more than one part names (the plugin's hook tables, doctor's detectors, the backport series' target files).
+
+Nothing here imports SGLang. A test (``tests/unit/test_internals.py``) fails when an SGLang module path is spelled
+anywhere else in the package, or when a ``Class.method`` is spelled both in ``compat/`` and in ``tools/``: a rename
+upstream is then one edit here, and the hook, the detector and the patch move together.
+"""
+
+from __future__ import annotations
+
+SRT = "sglang.srt"
+
+# modules
+PD = f"{SRT}.disaggregation"
+PREFILL = f"{PD}.prefill"
+DECODE = f"{PD}.decode"
+UTILS = f"{PD}.utils"
+CONN = f"{PD}.common.conn"
+MOONCAKE = f"{PD}.mooncake.conn"
+NIXL = f"{PD}.nixl.conn"
+SCHEDULER = f"{SRT}.managers.scheduler"
+SCHEDULE_BATCH = f"{SRT}.managers.schedule_batch"
+TOKENIZER = f"{SRT}.managers.tokenizer_manager"
+INVARIANTS = f"{SRT}.managers.scheduler_components.invariant_checker"
+ALLOC_TOKEN = f"{SRT}.mem_cache.allocator.token"
+ALLOC_PAGED = f"{SRT}.mem_cache.allocator.paged"
+ENVIRON = f"{SRT}.environ"
+SERVER_ARGS = f"{SRT}.server_args"
+ARG_GROUPS = f"{SRT}.arg_groups"
+KV_CANARY_MODULES = ("sglang.kernels.ops.kv_canary", f"{SRT}.kv_canary")  # upstream's own canary, where it has one
+
+
+def backend_module(backend: str) -> str:
+    """The connection module of a transfer backend package (``mooncake``, ``nixl``, ``mori``, ...)."""
+    return f"{PD}.{backend}.conn"
+
+
+def source_file(module: str) -> str:
+    """``module``'s file inside a source tree (``sglang/srt/.../x.py``), as the backport series name it."""
+    return module.replace(".", "/") + ".py"
+
+
+# choke points: (module, qualified name)
+PREFILL_DOOR = (PREFILL, "PrefillBootstrapQueue.add")
+DECODE_DOOR = (DECODE, "DecodePreallocQueue.add")
+COMMIT = (DECODE, "DecodeTransferQueue._commit_transfer_to_req")
+POP_TRANSFERRED = (DECODE, "DecodeTransferQueue.pop_transferred")
+SETUP_ROUTES = (CONN, "CommonKVBootstrapServer._setup_routes")
+NOTE_ABORT_ACK = (CONN, "CommonKVManager.note_abort_ack")
+SET_FINISH_WITH_ABORT = (SCHEDULE_BATCH, "Req.set_finish_with_abort")

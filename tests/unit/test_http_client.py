@@ -1,0 +1,103 @@
+"""The side channels' HTTP client against a real loopback HTTP server: kept-alive connections (one TCP connection
+for many requests from one thread), the signer's headers on every request, a capped answer, bounded retries with
+their pauses, and a server gone between requests."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sglang_harden.channels.http_client import SideChannelClient
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, str, str | None, int]] = []
+    statuses: list[int] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        _Handler.seen.append((self.command, self.path, self.headers.get("X-Token"), self.client_address[1]))
+        status = _Handler.statuses.pop(0) if _Handler.statuses else 200
+        body = b"x" * 5000 if self.path == "/big" else b'{"ok": true}'
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PUT = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    _Handler.seen, _Handler.statuses = [], []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _sign(method: str, path: str, body: bytes | None) -> dict[str, str]:
+    return {"X-Token": f"{method} {path} {len(body or b'')}"}
+
+
+def test_one_connection_carries_many_requests_each_signed(server: str) -> None:
+    client = SideChannelClient(_sign)
+    for n in range(5):
+        assert client.request("PUT", server, f"/p{n}", 2.0, b"abc") == (200, b'{"ok": true}')
+    ports = {port for *_, port in _Handler.seen}
+    assert len(ports) == 1, "kept alive: one client port for all five"
+    assert [token for _, _, token, _ in _Handler.seen] == [f"PUT /p{n} 3" for n in range(5)]
+
+
+def test_an_answer_over_the_cap_is_refused(server: str) -> None:
+    client = SideChannelClient(max_answer_bytes=1000)
+    with pytest.raises(http.client.HTTPException, match="longer than 1000"):
+        client.request("GET", server, "/big", 2.0)
+    assert client.request("GET", server, "/small", 2.0)[0] == 200
+
+
+def test_retries_are_bounded_and_stop_at_the_first_success(server: str, monkeypatch: Any) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr("sglang_harden.channels.http_client.time.sleep", pauses.append)
+    client = SideChannelClient()
+    _Handler.statuses = [503, 503, 200]
+    assert client.request_until("PUT", server, "/n", 2.0, b"{}", attempts=5, pause_s=0.2) == (200, "")
+    assert len(_Handler.seen) == 3 and pauses == [0.2, 0.4]
+    _Handler.statuses = [503] * 10
+    assert client.request_until("PUT", server, "/n", 2.0, b"{}", attempts=4, pause_s=0.1) == (503, "")
+    assert len(_Handler.seen) == 3 + 4
+
+
+def test_an_unreachable_server_is_reported_after_the_bounded_attempts(monkeypatch: Any) -> None:
+    monkeypatch.setattr("sglang_harden.channels.http_client.time.sleep", lambda s: None)
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    status, failure = SideChannelClient().request_until("GET", f"127.0.0.1:{port}", "/", 0.5, attempts=3,
+                                                        pause_s=0.0)
+    assert status is None and "ConnectionRefused" in failure
+
+
+def test_a_kept_connection_the_server_dropped_is_replaced(server: str) -> None:
+    client = SideChannelClient()
+    assert client.request("GET", server, "/a", 2.0)[0] == 200
+    kept = client._local.connections[server]
+    kept.sock.close()  # the kept connection broke between requests
+    assert client.request("GET", server, "/b", 2.0)[0] == 200
+    assert client._local.connections[server] is not kept
