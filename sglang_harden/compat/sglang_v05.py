@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat import (
+    backends,
     commit_chain,
     control_auth,
     hook_timer,
@@ -22,9 +23,7 @@ from sglang_harden.compat import (
     page_tags_v05,
 )
 from sglang_harden.compat.abort_v05 import abort_and_stream, is_aborted
-from sglang_harden.compat.backends import MOONCAKE, NIXL, check_backend, needed_on_backend
-from sglang_harden.compat.backends import mooncake as mooncake_backend
-from sglang_harden.compat.backends import nixl as nixl_backend
+from sglang_harden.compat.backends import check_backend, needed_on_backend
 from sglang_harden.compat.hooks import Hook, missing
 from sglang_harden.compat.internals import (
     CONN,
@@ -279,7 +278,7 @@ RETIRED_RESULT_HOOKS = [
 
 
 # The page lifecycle's and page tags' hooks: the common ones, then each transfer backend's.
-LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *mooncake_backend.HOOKS, *nixl_backend.HOOKS]
+LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *backends.lifecycle_hooks()]
 
 HOOKS: list[Hook] = [
     Hook("admission", *PREFILL_DOOR, ("self", "req", "num_kv_heads"),
@@ -289,8 +288,7 @@ HOOKS: list[Hook] = [
     # Listed before retire, so its wrapper sits outside: a retired request is never digested.
     Hook("checksum", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), kv_digest.publish_sent_digest(DIGEST_READER)),
-    Hook("canary", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"), kv_canary.stamp_before_send),
-    Hook("canary", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), kv_canary.stamp_before_send),
+    *backends.receiver_hooks("canary", kv_canary.stamp_before_send),
     Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),

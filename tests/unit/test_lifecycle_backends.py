@@ -30,6 +30,20 @@ def test_a_backend_module_hooks_only_its_own_sglang_module(module: object) -> No
                                                               "send_kvcache"}
 
 
+@pytest.mark.parametrize("module", backends.backend_modules(), ids=list(backends.BACKENDS))
+def test_every_backend_has_the_one_interface(module: object) -> None:
+    """MODULE, RECEIVER and HOOKS are all the hook tables read of a backend: its lifecycle hooks are in the family's
+    table, and every guard that reads decode's pages at the receiver (lifecycle, the page-tag ledger, canary) has a
+    hook on this backend's receiver without naming the backend anywhere else."""
+    name = module.__name__.rpartition(".")[2]  # type: ignore[attr-defined]
+    assert module.MODULE == backends.BACKEND_MODULES[name]  # type: ignore[attr-defined]
+    receiver = f"{module.RECEIVER}.send_metadata"  # type: ignore[attr-defined]
+    table = {(h.owner, h.module, h.qualname) for h in sglang_v05.HOOKS}
+    assert {(h.owner, h.module, h.qualname) for h in module.HOOKS} <= table  # type: ignore[attr-defined]
+    for owner in ("lifecycle", "page_ledger", "canary"):
+        assert (owner, module.MODULE, receiver) in table, (owner, name)  # type: ignore[attr-defined]
+
+
 def test_other_backends_refused_with_the_way_out() -> None:
     why = backends.check_backend("decode", "mori", ["lifecycle", "page_tags"])
     assert why is not None and "'mori'" in why

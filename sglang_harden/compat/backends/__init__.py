@@ -1,20 +1,46 @@
-"""Transfer backends the page lifecycle and page-tag guards feed their ledgers from, one module each.
+"""Transfer backends the page lifecycle, page-tag and canary guards feed from, one module each, all with one
+small interface:
 
-A backend module (``mooncake.py``, ``nixl.py``) gives the lifecycle hooks of its own SGLang classes: the receiver
-whose ``send_metadata`` hands decode's pages to the writer, the manager whose ``add_transfer_request`` queues a
-chunk's source pages, and how a failed or abandoned write and a decode abort notice show up there. Everything else
-the guards need is common to the backends (``compat/lifecycle_v05.py``). Adding a backend: a module here with its
-``HOOKS``, its entry in ``BACKEND_MODULES``, its import in ``compat/sglang_v05.py``, and a test file.
-MORI has no module: its drain acks and failure reporting differ per release and it cannot run on the CPU testbed,
-so the guards that need a backend refuse to start on it, naming the way out.
+  ``MODULE``     the backend's connection module (``compat/internals.backend_module(name)``);
+  ``RECEIVER``   decode's receiver class, whose ``send_metadata(kv_indices, ...)`` hands the request's pages to the
+                 writer (the ledger reserves them there, the canary stamps them);
+  ``HOOKS``      its lifecycle hooks: the manager's ``add_transfer_request`` (prefill holds the chunk's source
+                 pages), how a failed or abandoned write shows up (``PrefillNode.note_failed_write``), any
+                 abort-notice path that drops a drain-ack target, and the transfer window where it has one.
+
+Adding a backend: its module here, its name in ``BACKENDS``, a test file; the hook tables take the rest from
+``lifecycle_hooks`` and ``receiver_hooks``. MORI has no module: its drain acks and failure reporting differ per
+release and it cannot run on the CPU testbed, so the guards that need a backend refuse to start on it, naming the
+way out.
 """
 
 from __future__ import annotations
 
-from sglang_harden.compat.hooks import Hook
-from sglang_harden.compat.internals import MOONCAKE, NIXL
+import importlib
+from collections.abc import Callable
+from types import ModuleType
 
-BACKEND_MODULES = {"mooncake": MOONCAKE, "nixl": NIXL}
+from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.internals import backend_module
+
+BACKENDS = ("mooncake", "nixl")
+BACKEND_MODULES = {name: backend_module(name) for name in BACKENDS}
+MOONCAKE, NIXL = BACKEND_MODULES["mooncake"], BACKEND_MODULES["nixl"]
+
+
+def backend_modules() -> list[ModuleType]:
+    """The backends' adapter modules (imported on first use: each imports the lifecycle hooks it reuses)."""
+    return [importlib.import_module(f"{__name__}.{name}") for name in BACKENDS]
+
+
+def lifecycle_hooks() -> list[Hook]:
+    return [hook for module in backend_modules() for hook in module.HOOKS]
+
+
+def receiver_hooks(owner: str, make_wrapper: Callable[..., object]) -> list[Hook]:
+    """``owner``'s hook on every backend receiver's ``send_metadata`` (decode's pages leave this node there)."""
+    return [Hook(owner, module.MODULE, f"{module.RECEIVER}.send_metadata", ("self", "kv_indices"), make_wrapper)
+            for module in backend_modules()]
 
 
 def needed_on_backend(hook: Hook, backend: str) -> bool:

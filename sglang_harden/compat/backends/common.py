@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sglang_harden.compat import lifecycle_v05
-from sglang_harden.compat.backends import BACKEND_MODULES
+from sglang_harden.compat.internals import backend_module
 from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
 
 # The branch of a backend's abort-notice handler (prefill) that answers a notice for a room already concluded
@@ -44,7 +44,7 @@ def drops_ack_of_concluded_room(backend: str) -> bool:
     cannot be read counts as dropping: the guard then keeps the target itself, and a second ack of a drained room
     is harmless where a missing one holds decode's pages for good."""
     if backend not in _drops_ack:
-        module = sys.modules.get(BACKEND_MODULES.get(backend, ""))
+        module = sys.modules.get(backend_module(backend))
         if module is None:
             return True  # not imported yet: decide (and remember) once it is
         try:

@@ -10,9 +10,9 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat import lifecycle_v05
-from sglang_harden.compat.backends import MOONCAKE
 from sglang_harden.compat.backends.common import drops_ack_of_concluded_room, note_abort_notice, rooms_in_flight
 from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.internals import MOONCAKE
 from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
@@ -107,9 +107,10 @@ def _send_drain_evidence(mgr: Any, decode_ip: str, decode_port: int, room: int) 
                            "ack sent with the failure", None, {"room": room}), Mode.ENFORCE)
 
 
+MODULE = MOONCAKE
+RECEIVER = "MooncakeKVReceiver"
 HOOKS: list[Hook] = [
-    Hook("lifecycle", MOONCAKE, "MooncakeKVReceiver.send_metadata", ("self", "kv_indices"),
-         lifecycle_v05._send_metadata),
+    Hook("lifecycle", MOONCAKE, f"{RECEIVER}.send_metadata", ("self", "kv_indices"), lifecycle_v05._send_metadata),
     Hook("lifecycle", MOONCAKE, "MooncakeKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
          lifecycle_v05._hold_sources),
     Hook("lifecycle", MOONCAKE, "MooncakeKVManager.send_kvcache",

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_harden.compat import lifecycle_v05
-from sglang_harden.compat.backends import NIXL
 from sglang_harden.compat.backends.common import note_abort_notice, rooms_in_flight
 from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.internals import NIXL
 from sglang_harden.compat.lifecycle_nodes import PrefillNode
 
 Func = lifecycle_v05.Func
@@ -41,8 +41,10 @@ def _nixl_abort_notice(original: Func) -> Func:
     return handle_abort_notification
 
 
+MODULE = NIXL
+RECEIVER = "NixlKVReceiver"
 HOOKS: list[Hook] = [
-    Hook("lifecycle", NIXL, "NixlKVReceiver.send_metadata", ("self", "kv_indices"), lifecycle_v05._send_metadata),
+    Hook("lifecycle", NIXL, f"{RECEIVER}.send_metadata", ("self", "kv_indices"), lifecycle_v05._send_metadata),
     Hook("lifecycle", NIXL, "NixlKVManager.add_transfer_request", ("self", "bootstrap_room", "kv_indices"),
          lifecycle_v05._hold_sources),
     Hook("lifecycle", NIXL, "NixlKVManager.send_kvcache", ("self", "peer_name", "prefill_kv_indices"),
