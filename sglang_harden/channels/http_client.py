@@ -17,9 +17,11 @@ class SideChannelClient:
     """``request`` is one round trip on an open socket where one is kept for this thread and address (a kept
     connection the server closed is replaced once); ``request_until`` retries a bounded number of times."""
 
-    def __init__(self, sign: Sign | None = None, max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
+    def __init__(self, sign: Sign | None = None, max_answer_bytes: int = MAX_ANSWER_BYTES,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._sign = sign
         self._max_answer_bytes = max_answer_bytes
+        self._sleep = sleep
         self._local = threading.local()
 
     def request(self, method: str, addr: str, path: str, timeout_s: float,
@@ -57,7 +59,7 @@ class SideChannelClient:
             if status is not None and done(status):
                 break
             if attempt < attempts:
-                time.sleep(pause_s * attempt)
+                self._sleep(pause_s * attempt)
         return status, failure
 
     def _exchange(self, connection: http.client.HTTPConnection, method: str, path: str,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import http.client
 import http.server
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from loopback_http import serving
 
 from sglang_harden.channels.http_client import SideChannelClient
 
@@ -40,14 +40,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     _Handler.seen, _Handler.statuses = [], []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with serving(_Handler) as addr:
+        yield addr
 
 
 def _sign(method: str, path: str, body: bytes | None) -> dict[str, str]:
@@ -70,10 +64,9 @@ def test_an_answer_over_the_cap_is_refused(server: str) -> None:
     assert client.request("GET", server, "/small", 2.0)[0] == 200
 
 
-def test_retries_are_bounded_and_stop_at_the_first_success(server: str, monkeypatch: Any) -> None:
+def test_retries_are_bounded_and_stop_at_the_first_success(server: str) -> None:
     pauses: list[float] = []
-    monkeypatch.setattr("sglang_harden.channels.http_client.time.sleep", pauses.append)
-    client = SideChannelClient()
+    client = SideChannelClient(sleep=pauses.append)
     _Handler.statuses = [503, 503, 200]
     assert client.request_until("PUT", server, "/n", 2.0, b"{}", attempts=5, pause_s=0.2) == (200, "")
     assert len(_Handler.seen) == 3 and pauses == [0.2, 0.4]
@@ -82,15 +75,14 @@ def test_retries_are_bounded_and_stop_at_the_first_success(server: str, monkeypa
     assert len(_Handler.seen) == 3 + 4
 
 
-def test_an_unreachable_server_is_reported_after_the_bounded_attempts(monkeypatch: Any) -> None:
-    monkeypatch.setattr("sglang_harden.channels.http_client.time.sleep", lambda s: None)
+def test_an_unreachable_server_is_reported_after_the_bounded_attempts() -> None:
     import socket
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    status, failure = SideChannelClient().request_until("GET", f"127.0.0.1:{port}", "/", 0.5, attempts=3,
-                                                        pause_s=0.0)
+    client = SideChannelClient(sleep=lambda s: None)
+    status, failure = client.request_until("GET", f"127.0.0.1:{port}", "/", 0.5, attempts=3, pause_s=0.0)
     assert status is None and "ConnectionRefused" in failure
 
 

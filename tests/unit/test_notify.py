@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+from loopback_http import serving
 
 from sglang_harden.compat import notify
 
@@ -77,14 +77,8 @@ class _FakeBootstrap(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def bootstrap() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeBootstrap)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_FakeBootstrap) as addr:
+        yield addr
 
 
 class _Receiver:
