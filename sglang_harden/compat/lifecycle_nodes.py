@@ -286,7 +286,14 @@ class DecodeNode:
 @dataclass
 class PrefillNode:
     """Source pages of transfers that have not settled yet, on one prefill scheduler process. Its ledger is one
-    column, ``held_room`` (page -> the room whose transfer reads it, 0: none), plus each room's page arrays."""
+    column, ``held_room`` (page -> the room whose transfer reads it, 0: none), plus each room's page arrays.
+
+    Per-room facts sit in one table per fact, keyed by room, because different threads write them: the scheduler
+    ``holds`` and ``pending``, transfer workers ``failed_writes``, workers and the bootstrap thread
+    ``stashed_acks`` and ``orphan_targets``; only the scheduler removes. Each write is one dict operation (atomic
+    under the GIL). One record per room would need a lock around its creation and removal: a record dropped as
+    settled while a worker marks its failed write would lose the mark, and the pages would go free while the write
+    may still land."""
 
     allocator: Any
     page_size: int
