@@ -102,7 +102,8 @@ What: a new module sglang/srt/disaggregation/common/pd_rejections.py, used in fo
 - the bootstrap server (prefill's, which decode already queries for /route) gains PUT/GET
   /pd_rejections, a bounded, expiring board of rejected bootstrap rooms with status and message;
 - prefill posts a room there when it retires a rejected or aborted request at its door or before
-  the final send (background thread; the scheduler never waits on HTTP);
+  the final send (background thread; the scheduler never waits on HTTP), and when its tokenizer
+  refuses the prompt before any scheduler sees it (the tokenizer manager serves the board itself);
 - decode's KV manager polls that route (default every 0.25 s, SGLANG_PD_REJECTION_POLL_INTERVAL,
   0 = off) for the rooms it still waits on and marks a hit Failed in its own status table, so the
   request leaves through SGLang's ordinary transfer-failure path and its pages are released;
@@ -117,6 +118,19 @@ has its own wire format with no room for a status or message; the bootstrap serv
 backends. Like /route, the new route is unauthenticated unless the series' control-plane authentication
 patch is applied too (0.5.x series): then both need a token.
 """
+
+# prefill's tokenizer posts the prompts it refuses itself (they never reach a scheduler door)
+TOKENIZER_NOTIFY_EDITS = [
+    (TOKENIZER, "from sglang.srt.disaggregation.utils import DisaggregationMode\n",
+     "from sglang.srt.disaggregation.common import pd_rejections\n"
+     "from sglang.srt.disaggregation.utils import DisaggregationMode\n"),
+    (TOKENIZER, "    async def _tokenize_one_request(\n",
+     "    @pd_rejections.front_door_refusals_async  # sglang-harden backport\n"
+     "    async def _tokenize_one_request(\n"),
+    (TOKENIZER, "    def _validate_one_request(\n",
+     "    @pd_rejections.front_door_refusals  # sglang-harden backport\n"
+     "    def _validate_one_request(\n"),
+]
 
 H_CAPACITY = """\
 sglang-harden backport: capacity gate (refuse to start when the KV pool cannot hold the context)

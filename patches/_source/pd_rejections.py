@@ -19,11 +19,14 @@ all backends and already serves decode over HTTP. Like the existing ``/route`` e
 authenticated unless ``pd_auth`` (the series' authentication patch) is applied too. The wire format is
 sglang-harden's own (its plugin runs the same code), so a patched prefill and a plugin decode understand each
 other, and the reverse.
+A prompt refused by prefill's tokenizer (it never reaches the scheduler) is posted from the tokenizer
+manager, which runs the bootstrap server in the same process (``front_door_refusals``).
 Env: SGLANG_PD_REJECTION_POLL_INTERVAL (seconds, default 0.25; 0 disables decode's poller).
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -130,6 +133,51 @@ def publish(kv_manager: Any, req: Any, sent_kv: bool = True) -> None:
     with _publishers_lock:
         publisher = _publishers.get(base_url) or _publishers.setdefault(base_url, _Publisher(base_url))
     publisher.publish(PeerAbort(int(room), verdict[0], verdict[1][:MAX_MESSAGE_CHARS], sent_kv))
+
+
+def front_door_refusals(validate: Any) -> Any:
+    """Decorates ``TokenizerManager._validate_one_request``: a prompt prefill's tokenizer refuses (too long for the
+    context, a bad option) never reaches its scheduler, so no door posts it; post it here, in the process that
+    serves the bootstrap server, so decode answers its half at once instead of holding its pages until timeout."""
+
+    @functools.wraps(validate)
+    def validate_and_post(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return validate(self, obj, *args, **kwargs)
+        except ValueError as exc:
+            post_front_door_refusal(self, obj, exc)
+            raise
+
+    return validate_and_post
+
+
+def front_door_refusals_async(tokenize: Any) -> Any:
+    """Decorates ``TokenizerManager._tokenize_one_request`` the same way (it validates, and refuses on its own)."""
+
+    @functools.wraps(tokenize)
+    async def tokenize_and_post(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await tokenize(self, obj, *args, **kwargs)
+        except ValueError as exc:
+            post_front_door_refusal(self, obj, exc)
+            raise
+
+    return tokenize_and_post
+
+
+def post_front_door_refusal(tokenizer_manager: Any, obj: Any, exc: ValueError) -> None:
+    """Post a refusal of a PD prefill's tokenizer on this process's board (once per refusal)."""
+    mode = getattr(getattr(tokenizer_manager, "server_args", None), "disaggregation_mode", None)
+    room = getattr(obj, "bootstrap_room", None)
+    if str(getattr(mode, "value", mode)) != "prefill" or getattr(exc, "_pd_rejection_posted", False):
+        return
+    if not isinstance(room, int) or isinstance(room, bool):
+        return
+    BOARD.post(PeerAbort(room, 400, str(exc)[:MAX_MESSAGE_CHARS], False))
+    try:
+        exc._pd_rejection_posted = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
 
 
 # ------------------------------------------------------------------ decode side

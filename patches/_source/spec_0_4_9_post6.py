@@ -177,6 +177,10 @@ PATCHES = [
     ]),
     ("notify-decode-of-prefill-rejections", H_NOTIFY_049, [
         (NEWMOD, None, PD_REJECTIONS),
+        (TOKENIZER, "from sglang.srt.disaggregation.utils import (\n",
+         "from sglang.srt.disaggregation.common import pd_rejections\n"
+         "from sglang.srt.disaggregation.utils import (\n"),
+        *TOKENIZER_NOTIFY_EDITS[1:],
         (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n",
          "from sglang.srt.disaggregation.common import pd_rejections\n"
          "from sglang.srt.disaggregation.common.utils import (\n"),

@@ -60,6 +60,7 @@ PATCHES = [
     ]),
     ("notify-decode-of-prefill-rejections", H_NOTIFY, [
         (NEWMOD, None, PD_REJECTIONS),
+        *TOKENIZER_NOTIFY_EDITS,
         (CONN, "from sglang.srt.disaggregation.utils import (\n",
          "from sglang.srt.disaggregation.common import pd_rejections\n"
          "from sglang.srt.disaggregation.utils import (\n"),

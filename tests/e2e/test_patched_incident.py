@@ -39,6 +39,7 @@ from sglang_harden.testbed.incident import (
     IncidentSetup,
     RoundResult,
     assert_b_refused_at_both_doors,
+    front_door_round,
     run_round,
 )
 from sglang_harden.testbed.memo import run_once
@@ -50,7 +51,7 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.19", "0.5.22"]  # CI selects its pins (0.5.19 here); 0.5.22: --pins 0.5.22
+PINS = ["0.5.19", "0.5.22", "0.5.23"]  # CI runs the pins it builds (0.5.19, 0.5.23); 0.5.22: --pins 0.5.22
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
 TOO_LONG = "exceeds the maximum allowed length"
@@ -96,11 +97,12 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
             b = rounds[-1].b
             _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
                       f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
+        front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant == "patched" else None
         logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
         tools = _operator_tools(pair) if variant == "vanilla" else {}
     finally:
         pair.stop()
-    return {"rounds": rounds, "logs": logs, "tools": tools, "attacks": attacks}
+    return {"rounds": rounds, "logs": logs, "tools": tools, "attacks": attacks, "front_door": front_door}
 
 
 def _attack(pair: PDPair) -> list[tuple[str, int]]:
@@ -200,6 +202,20 @@ def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
         assert v.a.decode.ok and p.a.decode.ok, (v.a.decode.summary(), p.a.decode.summary())
         assert p.a.decode.output_ids == v.a.decode.output_ids
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> None:
+    """Prefill's tokenizer refuses a prompt longer than the context before any scheduler sees it. The series posts
+    that refusal from the tokenizer (it serves the bootstrap server in the same process), so decode, holding a
+    reservation for the room, answers 400 with prefill's message within the prompt bound instead of waiting for
+    its timeout (20 s here), and never generates."""
+    door = incident(pin, "patched")["front_door"]
+    assert door["prefill"]["status"] == 400, door
+    assert door["decode_status"] == 400, door
+    assert "context length" in (door["decode_error"] or ""), door
+    assert door["decode_elapsed_s"] < PROMPT_S, door
+    assert not door["decode_generated"], door
 
 
 @pytest.mark.parametrize("pin", PINS)

@@ -19,7 +19,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -238,6 +238,50 @@ def test_rejection_board_is_bounded_expires_and_keeps_the_first_word(tmp_path: P
     stale = mod.AbortBoard(ttl_s=0.0)
     stale.post(mod.PeerAbort(7, 400, "x"))
     assert stale.lookup([7]) == []
+
+
+def test_prefill_tokenizer_refusals_are_posted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    no_secret: None) -> None:
+    """The patched tokenizer's decorators post a refusal of a PD prefill's tokenizer on the board its bootstrap
+    server serves (once, though validation runs inside tokenization), and nothing on decode, for a request without
+    a room, or for anything but a refusal."""
+    import asyncio
+
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
+
+    class Manager:
+        def __init__(self, mode: str) -> None:
+            self.server_args = SimpleNamespace(disaggregation_mode=SimpleNamespace(value=mode))
+
+        @mod.front_door_refusals
+        def _validate_one_request(self, obj: Any, input_ids: list[int]) -> None:
+            if len(input_ids) > 4:
+                raise ValueError(f"The input ({len(input_ids)} tokens) is longer than the model's context length")
+            if input_ids == [0]:
+                raise KeyError("not a refusal")
+
+        @mod.front_door_refusals_async
+        async def _tokenize_one_request(self, obj: Any) -> str:
+            self._validate_one_request(obj, obj.input_ids)
+            return "tokenized"
+
+    def tokenize(mode: str, room: Any, input_ids: list[int]) -> Any:
+        obj = SimpleNamespace(bootstrap_room=room, input_ids=input_ids, rid="r")
+        return asyncio.run(Manager(mode)._tokenize_one_request(obj))
+
+    with pytest.raises(ValueError, match="context length"):
+        tokenize("prefill", 41, list(range(9)))
+    assert mod.board_answer(mod.BOARD, [41]) == {"rooms": {"41": {
+        "status_code": 400, "message": "The input (9 tokens) is longer than the model's context length",
+        "sent_kv": False}}}
+    assert len(mod.BOARD.lookup([41])) == 1
+    for mode, room in (("decode", 42), ("prefill", None), ("prefill", True)):
+        with pytest.raises(ValueError):
+            tokenize(mode, room, list(range(9)))
+    with pytest.raises(KeyError):
+        tokenize("prefill", 43, [0])
+    assert tokenize("prefill", 44, [1, 2]) == "tokenized"
+    assert mod.BOARD.lookup([42, 43, 44]) == []
 
 
 def test_rejection_inputs_are_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
