@@ -79,6 +79,11 @@ def _resolve(module: ModuleType, qualname: str) -> tuple[object, str, Callable[.
     return owner, attr, raw
 
 
+def _way_out(owner: str) -> str:
+    guard = "page_tags" if owner == PAGE_LEDGER_OWNER else owner
+    return f"start with --harden-{guard.replace('_', '-')} off to run without that guard, or see `sglang-harden doctor`"
+
+
 def _check_params(hook: Hook, func: Callable[..., object]) -> None:
     names = tuple(inspect.signature(func).parameters)
     if names[: len(hook.params)] != hook.params:
@@ -91,9 +96,9 @@ def _check_params(hook: Hook, func: Callable[..., object]) -> None:
 def _install(hook: Hook, key: str, module: ModuleType) -> None:
     try:
         owner, attr, raw = _resolve(module, hook.qualname)
-    except HookInstallError:
+    except HookInstallError as exc:
         if not hook.optional:
-            raise
+            raise HookInstallError(f"{exc}; the {hook.owner} hook needs it ({_way_out(hook.owner)})") from exc
         logger.debug("sglang-harden: %s not in this release; %s's hook on it not needed", hook.target, hook.owner)
         return
     is_static = isinstance(raw, staticmethod)

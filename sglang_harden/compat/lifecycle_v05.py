@@ -1,4 +1,4 @@
-"""Page lifecycle and page ownership tags on SGLang 0.5.19 … 0.5.23 (Mooncake and NIXL transfer backends).
+"""Page lifecycle and page ownership tags on SGLang 0.5.19 … 0.5.23 (Mooncake, NIXL; MORI from 0.5.22).
 
 Decode keeps a :class:`~sglang_harden.guards.lifecycle.PageLedger`, prefill a page -> room column of the
 source pages its transfers read; both are fed from SGLang's own choke points:
@@ -30,8 +30,9 @@ prefill
 Both roles: ``Scheduler.__init__`` makes prefill send drain acknowledgements
 (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``) and bounds each Mooncake transfer batch to
 ``transfer_window_pages`` pages (``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES`` where the pin has it, else
-``send_kvcache`` is split here; NIXL transfers are not windowed). Any other backend (e.g. MORI) refuses to
-start while the lifecycle guard is on. All decisions come from ``guards.lifecycle`` and ``guards.page_tags``.
+``send_kvcache`` is split here; NIXL and MORI transfers are not windowed). Each backend's own hooks are in
+``compat/backends/``; any other backend refuses to start while the lifecycle guard is on. All decisions come
+from ``guards.lifecycle`` and ``guards.page_tags``.
 """
 
 from __future__ import annotations

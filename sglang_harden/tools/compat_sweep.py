@@ -8,7 +8,8 @@ For each release (source from ``tools/_wheels``: nothing is installed or importe
 under ``sglang_harden/compat``, every hook target is looked up statically: the module, the class (bases
 included) and the function, and its leading parameter names against the ones the hook expects. Per guard:
 
-- ``hookable``: every hook the guard needs resolves, on the Mooncake backend at least (NIXL listed when it too);
+- ``hookable``: every hook the guard needs resolves, on the Mooncake backend at least (NIXL, MORI listed when
+  they too; a backend the release has whose hooks do not resolve is named as lacking);
 - ``needs a patch``: some target is missing or changed shape (listed); the plugin refuses such a release;
 - ``impossible``: the release has no PD disaggregation at all.
 
@@ -51,6 +52,8 @@ class GuardVerdict:
     verdict: str
     backends: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    # backends the release has whose hooks for this guard do not resolve (the guard refuses to start on them)
+    lacking: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -120,8 +123,9 @@ def judge_guard(tree: Any, guard: str, hooks: list[Hook]) -> GuardVerdict:
     by_backend = {name: [p for h in mine if h.module == module and (p := hook_problem(tree, h))]
                   for name, module in BACKEND_MODULES.items()}
     backends = [name for name, module in BACKEND_MODULES.items() if tree.exists(module) and not by_backend[name]]
+    lacking = [name for name, module in BACKEND_MODULES.items() if tree.exists(module) and by_backend[name]]
     if not core and "mooncake" in backends:
-        return GuardVerdict(HOOKABLE, backends)
+        return GuardVerdict(HOOKABLE, backends, lacking=lacking)
     mooncake = by_backend["mooncake"] or ([] if tree.exists(BACKEND_MODULES["mooncake"]) else
                                           [f"{BACKEND_MODULES['mooncake']}: module missing"])
     return GuardVerdict(NEEDS_PATCH, backends, core + mooncake)
@@ -234,7 +238,8 @@ def render_markdown(reports: list[ReleaseReport]) -> str:
     return "\n".join([*table, "", LEGEND, *(["", "Why:", "", *why] if why else [])])
 
 
-LEGEND = ("hook: every hook the guard needs resolves, read statically (Mooncake; NIXL too unless said); PATCH: a "
+LEGEND = ("hook: every hook the guard needs resolves, read statically (Mooncake; NIXL and, from 0.5.9, MORI too "
+          "unless '(no nixl)'/'(no mori)' says the guard refuses to start on that backend); PATCH: a "
           "target is missing or moved, or the adapter has none; -: no PD disaggregation; e2e: a supported pin, its "
           "guards proven end to end on CPU (elsewhere 'hook' says the code fits, not that the guard works)")
 
@@ -258,8 +263,8 @@ def _rows(reports: list[ReleaseReport]) -> tuple[list[list[str]], list[str]]:
         for g in guards:
             verdict = r.guards[g]
             cell = CELL[verdict.verdict]
-            if verdict.verdict == HOOKABLE and "nixl" not in verdict.backends:
-                cell += " (no nixl)"
+            if verdict.verdict == HOOKABLE:
+                cell += "".join(f" (no {name})" for name in verdict.lacking)
             cells.append(cell)
         rows.append([r.release, "yes" if r.e2e_supported else "", r.adapter or "none", *cells])
         absent_guards = [g for g in guards if r.guards[g].missing == [NOT_IN_ADAPTER.format(r.adapter)]]

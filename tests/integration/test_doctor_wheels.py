@@ -155,7 +155,7 @@ def test_the_support_matrix_is_generated_not_written(pin: str) -> None:
 
 # The releases whose abort-notice handler (per backend) drops the ack target of a concluded room with a chunk in
 # flight, read from their code by hand and confirmed in process (test_lifecycle_inprocess) and end to end.
-DROPS_ACK_RELEASES = {"mooncake": ("0.5.19", "0.5.20"), "nixl": ("0.5.19", "0.5.20", "0.5.21")}
+DROPS_ACK_RELEASES = {"mooncake": ("0.5.19", "0.5.20"), "nixl": ("0.5.19", "0.5.20", "0.5.21"), "mori": ()}
 
 
 @pytest.mark.parametrize("pin", sorted(p for p, adapter in SUPPORTED_PINS.items() if adapter == "sglang_v05"))

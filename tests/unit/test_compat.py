@@ -276,7 +276,7 @@ def test_page_tags_keeps_its_own_ledger_with_lifecycle_off(monkeypatch: pytest.M
     ledger_hooks = [h for h in sglang_v05.HOOKS if h.owner == PAGE_LEDGER_OWNER]
     assert {h.qualname for h in ledger_hooks} == {
         "Scheduler.__init__", "TokenToKVPoolAllocator.free", "PagedTokenToKVPoolAllocator._release_page_ids",
-        "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata",
+        "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata", "MoriKVReceiver.send_metadata",
         "DecodeTransferQueue._commit_transfer_to_req"}
     assert sglang_v05.ROLES_BY_OWNER[PAGE_LEDGER_OWNER] == {"decode"}
     registered: list[str] = []

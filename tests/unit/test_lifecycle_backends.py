@@ -14,11 +14,12 @@ def _hook(module: str) -> object:
     return next(h for h in sglang_v05.HOOKS if h.module == module and h.owner == "lifecycle")
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+@pytest.mark.parametrize("backend", backends.BACKENDS)
 def test_each_backend_needs_only_its_own_module_hooks(backend: str) -> None:
-    own, other = backends.BACKEND_MODULES[backend], {"mooncake": backends.NIXL, "nixl": backends.MOONCAKE}[backend]
+    own = backends.BACKEND_MODULES[backend]
     assert backends.needed_on_backend(_hook(own), backend)
-    assert not backends.needed_on_backend(_hook(other), backend)
+    for other in set(backends.BACKEND_MODULES.values()) - {own}:
+        assert not backends.needed_on_backend(_hook(other), backend)
     assert backends.needed_on_backend(_hook(CONN), backend)
 
 
@@ -28,6 +29,18 @@ def test_a_backend_module_hooks_only_its_own_sglang_module(module: object) -> No
     assert hooks and {h.module for h in hooks} == {backends.BACKEND_MODULES[module.__name__.rpartition(".")[2]]}
     assert {h.qualname.rpartition(".")[2] for h in hooks} >= {"send_metadata", "add_transfer_request",
                                                               "send_kvcache"}
+
+
+def test_mori_hooks_mark_failed_writes_before_the_ack() -> None:
+    """MORI reports a write through statuses; the hooks that turn a Failed one into a failed write sit on the two
+    places that wait on them (worker, drainer), on a failed submission and on the abort notice's ack arming."""
+    from sglang_harden.compat.backends import mori
+
+    assert {h.qualname for h in mori.HOOKS} == {
+        "MoriKVReceiver.send_metadata", "MoriKVManager.add_transfer_request",
+        "MoriKVManager._wait_for_chunk_completion", "MoriKVManager._drain_transfer_statuses",
+        "MoriKVManager._handle_submission_failure", "MoriKVManager._arm_abort_ack"}
+    assert not any(h.optional for h in mori.HOOKS), "a release without MORI's drain ack must refuse, not run unhooked"
 
 
 @pytest.mark.parametrize("module", backends.backend_modules(), ids=list(backends.BACKENDS))
@@ -45,15 +58,16 @@ def test_every_backend_has_the_one_interface(module: object) -> None:
 
 
 def test_other_backends_refused_with_the_way_out() -> None:
-    why = backends.check_backend("decode", "mori", ["lifecycle", "page_tags"])
-    assert why is not None and "'mori'" in why
+    why = backends.check_backend("decode", "ascend", ["lifecycle", "page_tags"])
+    assert why is not None and "'ascend'" in why
     assert "--harden-lifecycle off and --harden-page-tags off" in why
     assert backends.check_backend("prefill", "nixl", ["lifecycle"]) is None
-    assert backends.check_backend("null", "mori", ["lifecycle"]) is None  # no PD: nothing to guard
+    assert backends.check_backend("decode", "mori", ["lifecycle", "page_tags"]) is None  # its own module
+    assert backends.check_backend("null", "ascend", ["lifecycle"]) is None  # no PD: nothing to guard
 
 
 def test_no_backend_guard_armed_runs_anywhere() -> None:
-    assert backends.check_backend("decode", "mori", []) is None
+    assert backends.check_backend("decode", "ascend", []) is None
 
 
 def test_guards_needing_a_backend_follow_what_is_armed(monkeypatch: pytest.MonkeyPatch) -> None:

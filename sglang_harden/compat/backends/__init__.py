@@ -9,9 +9,8 @@ small interface:
                  abort-notice path that drops a drain-ack target, and the transfer window where it has one.
 
 Adding a backend: its module here, its name in ``BACKENDS``, a test file; the hook tables take the rest from
-``lifecycle_hooks`` and ``receiver_hooks``. MORI has no module: its drain acks and failure reporting differ per
-release and it cannot run on the CPU testbed, so the guards that need a backend refuse to start on it, naming the
-way out.
+``lifecycle_hooks`` and ``receiver_hooks``. A release whose backend lacks a required hook (MORI before 0.5.22: no
+drain acks) refuses to start while a guard that needs the backend is armed, naming the hook.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ from types import ModuleType
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import backend_module
 
-BACKENDS = ("mooncake", "nixl")
+BACKENDS = ("mooncake", "nixl", "mori")
 BACKEND_MODULES = {name: backend_module(name) for name in BACKENDS}
-MOONCAKE, NIXL = BACKEND_MODULES["mooncake"], BACKEND_MODULES["nixl"]
+MOONCAKE, NIXL, MORI = (BACKEND_MODULES[name] for name in BACKENDS)
 
 
 def backend_modules() -> list[ModuleType]:
