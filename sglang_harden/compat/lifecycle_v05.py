@@ -64,9 +64,9 @@ from sglang_harden.compat.internals import (
 from sglang_harden.compat.lifecycle_nodes import (
     PUBLISHED,
     DecodeNode,
-    PrefillNode,
     _kv_poll,
 )
+from sglang_harden.compat.prefill_node import PrefillNode
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.compat.shared import role_of
 from sglang_harden.config import Mode
@@ -305,7 +305,7 @@ def chunks_queued(room: int) -> bool:
     node = NODE
     if not isinstance(node, PrefillNode):
         return True
-    return room in node.holds or room in node.pending or room in node.failed_writes
+    return node.chunks_queued(room)
 
 
 def _will_enqueue(mgr: Any, room: int) -> bool:
@@ -335,7 +335,7 @@ def _keep_ack_target(original: Func) -> Func:
             target = getattr(self.kv_mgr, "_deferred_ack_targets", {}).get(room)
             node.kv_mgr = node.kv_mgr or self.kv_mgr
             if target is not None and not node.settled(int(room)):
-                node.orphan_targets[int(room)] = target
+                node.keep_ack_target(int(room), target)
         return original(self, *args, **kwargs)
 
     return clear
@@ -348,14 +348,14 @@ def _capture_ack_target(original: Func) -> Func:
 
     def register(self: Any, room: int, *args: Any, **kwargs: Any) -> Any:
         node = NODE
-        if isinstance(node, PrefillNode) and int(room) in node.failed_writes:
+        if isinstance(node, PrefillNode) and node.write_failed(int(room)):
             bound = signature.bind(self, room, *args, **kwargs).arguments
             node.kv_mgr = node.kv_mgr or self
             if "target" in bound:
                 target = bound["target"]
-                _keep_ack_targets(node, int(room), {(target.ip, target.port): target})
+                node.keep_ack_target(int(room), {(target.ip, target.port): target})
             else:
-                node.orphan_targets[int(room)] = (bound["decode_ip"], bound["decode_port"])
+                node.keep_ack_target(int(room), (bound["decode_ip"], bound["decode_port"]))
         return original(self, room, *args, **kwargs)
 
     return register
@@ -402,21 +402,14 @@ def _keep_poisoned_target(original: Func) -> Func:
         node = NODE
         if isinstance(node, PrefillNode):
             node.kv_mgr = node.kv_mgr or self
-            if int(room) not in node.failed_writes:
+            if not node.write_failed(int(room)):
                 node.note_failed_write([int(room)])
             targets = getattr(self, "_deferred_ack_targets", {}).get(room)
             if targets:
-                _keep_ack_targets(node, int(room), targets)
+                node.keep_ack_target(int(room), dict(targets))
         return original(self, room, *args, **kwargs)
 
     return poison
-
-
-def _keep_ack_targets(node: PrefillNode, room: int, targets: dict[Any, Any]) -> None:
-    """Add ``targets`` (``{(ip, port): target}``) to the room's kept drain-ack targets."""
-    merged = dict(node.orphan_targets.get(room) or {})
-    merged.update(targets)
-    node.orphan_targets[room] = merged
 
 
 def _withhold_ack(original: Func) -> Func:
@@ -435,7 +428,7 @@ def _withhold_ack(original: Func) -> Func:
                             "still land", None, {"room": room})
         if not events.record(decision, RUNTIME.config.lifecycle):
             return original(self, *args, **kwargs)
-        node.stashed_acks.setdefault(room, []).append(lambda: original(self, *args, **kwargs))
+        node.stash_ack(room, lambda: original(self, *args, **kwargs))
         return None
 
     return send_abort_ack

@@ -34,7 +34,8 @@ from sglang_harden.compat.backends import common as backends_common  # noqa: E40
 from sglang_harden.compat.backends import mooncake as mooncake_backend  # noqa: E402
 from sglang_harden.compat.backends import nixl as nixl_backend  # noqa: E402
 from sglang_harden.compat.commit_chain import CommitChain  # noqa: E402
-from sglang_harden.compat.lifecycle_nodes import DecodeNode, PrefillNode, owner_of_room  # noqa: E402
+from sglang_harden.compat.lifecycle_nodes import DecodeNode, owner_of_room  # noqa: E402
+from sglang_harden.compat.prefill_node import PrefillNode  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
 from sglang_harden.guards.base import Verdict  # noqa: E402
@@ -349,7 +350,7 @@ def test_prefill_holds_source_pages_until_settled(sglang_modules: dict[str, Any]
         mgr._staging_outstanding[ROOM_A] = 0
         lifecycle_v05._free_now(node, node.settle_pending())
         assert alloc.available_size() == POOL
-        assert not node.pending
+        assert not node.view("pending")
     finally:
         lifecycle_v05.NODE = None
 
@@ -542,21 +543,21 @@ def test_abort_notice_for_a_concluded_room_in_flight_is_acked_once_it_settles(sg
         mgr, registered, acks = _concluded_room_manager(concluded, outstanding=1)
         assert vanilla(mgr, ABORT_NOTICE) is True
         assert (registered, acks) == ([], []), "SGLang's own handler: no target kept, no ack"
-        assert not node.orphan_targets
+        assert not node.view("kept_target")
 
         hooked = nixl_backend._nixl_abort_notice(vanilla)
         assert hooked(mgr, ABORT_NOTICE) is True
-        assert node.orphan_targets == {ROOM_A: ("127.0.0.1", 9999)}
+        assert node.view("kept_target") == {ROOM_A: ("127.0.0.1", 9999)}
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
         assert acks == [], "no ack while the chunk is still counted"
         mgr._staging_outstanding[ROOM_A] = 0  # the worker finished the chunk
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
-        assert acks == [(ROOM_A, "127.0.0.1", 9999)] and not node.orphan_targets
+        assert acks == [(ROOM_A, "127.0.0.1", 9999)] and not node.view("kept_target")
 
         quiet, _, own_acks = _concluded_room_manager(concluded, outstanding=0)
         hooked(quiet, ABORT_NOTICE)
         assert own_acks == [(ROOM_A, "127.0.0.1", 9999)], "nothing in flight: SGLang acks at once itself"
-        assert not node.orphan_targets, "and the guard keeps nothing"
+        assert not node.view("kept_target"), "and the guard keeps nothing"
     finally:
         lifecycle_v05.NODE = None
 
@@ -577,11 +578,11 @@ def test_mooncake_abort_notices_are_watched_on_the_listener_socket(sglang_module
         mgr.server_socket = SimpleNamespace(recv_multipart=lambda: inbox.pop(0), closed=False)
         mooncake_backend._mooncake_abort_notices(lambda self: None)(mgr)
         assert isinstance(mgr.server_socket, mooncake_backend._NoticeWatchingSocket) and not mgr.server_socket.closed
-        assert mgr.server_socket.recv_multipart()[0] == b"None" and not node.orphan_targets
+        assert mgr.server_socket.recv_multipart()[0] == b"None" and not node.view("kept_target")
         assert mgr.server_socket.recv_multipart() == ABORT_NOTICE
-        assert node.orphan_targets == {ROOM_A: ("127.0.0.1", 9999)}
+        assert node.view("kept_target") == {ROOM_A: ("127.0.0.1", 9999)}
         mgr.server_socket.recv_multipart()  # a malformed notice: SGLang's to log
-        assert list(node.orphan_targets) == [ROOM_A]
+        assert list(node.view("kept_target")) == [ROOM_A]
         mgr._staging_outstanding[ROOM_A] = 0
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
         assert acks == [(ROOM_A, "127.0.0.1", 9999)]
@@ -609,7 +610,7 @@ def test_nixl_failed_post_is_a_failed_write(sglang_modules: dict[str, Any]) -> N
         send = nixl_backend._nixl_send_kvcache(post_fails)
         with pytest.raises(RuntimeError, match="failed to post"):
             send(mgr, "agent-d", np.arange(4), [], np.arange(4), 0)
-        assert set(node.failed_writes) == {ROOM_A}, "only the room being written (ROOM_B has no chunk in flight)"
+        assert set(node.view("failed_at")) == {ROOM_A}, "only the room being written (ROOM_B has no chunk in flight)"
         mgr.request_status[ROOM_A] = KVPoll.Failed
         mgr._staging_outstanding[ROOM_A] = 0
         assert not node.settled(ROOM_A)
@@ -675,7 +676,7 @@ def test_poison_keeps_the_registered_ack_target(sglang_modules: dict[str, Any]) 
             self._deferred_ack_poisoned_rooms.add(room)
 
         lifecycle_v05._keep_poisoned_target(upstream_poison)(mgr, ROOM_A)
-        assert mgr._deferred_ack_targets == {} and ROOM_A in node.failed_writes
+        assert mgr._deferred_ack_targets == {} and ROOM_A in node.view("failed_at")
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
         assert sent == [], "the write may still land"
         time.sleep(0.25)
@@ -745,7 +746,7 @@ def test_prefill_holds_every_chunk_in_its_own_copy(sglang_modules: dict[str, Any
         mgr.request_status[ROOM_A] = KVPoll.Success
         lifecycle_v05._free_now(node, node.settle_pending())
         assert alloc.available_size() == POOL and np.count_nonzero(node.held_room) == 0
-        assert not node.holds and not node.pending
+        assert not node.view("sources") and not node.view("pending")
     finally:
         lifecycle_v05.NODE = None
 
@@ -850,7 +851,7 @@ def test_prefill_budget_leaves_out_cached_pages_a_failed_write_pins(sglang_modul
 
         time.sleep(0.55)  # the write lifetime passed: the pinned pages may go back
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
-        assert node.stuck_tokens() == 0 and not node.failed_writes
+        assert node.stuck_tokens() == 0 and not node.view("failed_at")
         assert alloc.available_size() == pool
     finally:
         lifecycle_v05.NODE = None
@@ -894,7 +895,7 @@ def test_prefill_budget_leaves_out_cached_pages_an_aborted_room_is_still_read_fr
         mgr._staging_outstanding[ROOM_A] = 0  # the worker's read ended
         lifecycle_v05._settle_after_inflight(lambda self: None)(None)
         alloc.free(others)
-        assert node.stuck_tokens() == 0 and not node.pending
+        assert node.stuck_tokens() == 0 and not node.view("pending")
         assert alloc.available_size() == pool
     finally:
         lifecycle_v05.NODE = None
@@ -933,7 +934,7 @@ def test_bootstrap_failure_is_published_for_decode(sglang_modules: dict[str, Any
         req = SimpleNamespace(rid="soak-d-1", bootstrap_room=ROOM_A, finished_reason=None)
 
         def sglang_handles_it(self: Any, req: Any) -> None:
-            node.holds.pop(ROOM_A, None)  # SGLang frees the request's pages: the node lets go of the room
+            node._settle(ROOM_A)  # SGLang frees the request's pages: the node lets go of the room
             req.finished_reason = SimpleNamespace(message="Aborted by AbortReq.")
 
         sglang_v05._publish_bootstrap_failure(sglang_handles_it)(SimpleNamespace(tp_size=1), req)

@@ -39,7 +39,8 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 from sglang_harden.compat import activate, lifecycle_v05  # noqa: E402
 from sglang_harden.compat.backends import mori as mori_backend  # noqa: E402
 from sglang_harden.compat.hooks import HookInstallError, is_in_place  # noqa: E402
-from sglang_harden.compat.lifecycle_nodes import DecodeNode, PrefillNode  # noqa: E402
+from sglang_harden.compat.lifecycle_nodes import DecodeNode  # noqa: E402
+from sglang_harden.compat.prefill_node import PrefillNode  # noqa: E402
 from sglang_harden.guards.lifecycle import PageState  # noqa: E402
 
 POOL = 48
@@ -230,7 +231,7 @@ def test_failed_write_holds_ack_and_sources_for_its_lifetime(conn: Any, allocato
         assert mgr.concluded == [(ROOM, conn.KVPoll.Failed)]
         _decode_aborts(conn, mgr)
         allocator.free(src)
-    assert ROOM in node.failed_writes
+    assert ROOM in node.view("failed_at")
     _settle_step()
     assert mgr.acks == [], "the failed write may still land: no drain ack yet"
     assert allocator.available_size() == POOL - 8, "its source pages stay held"
@@ -247,7 +248,7 @@ def test_failed_submission_is_a_failed_write(conn: Any, allocator: Any) -> None:
     _decode_aborts(conn, mgr)
     allocator.free(src)
     mgr._handle_submission_failure(chunk, conn._MoriTransferSubmissionError("post failed", []))
-    assert ROOM in node.failed_writes, "a submission that raised may have posted part of the chunk"
+    assert ROOM in node.view("failed_at"), "a submission that raised may have posted part of the chunk"
     _settle_step()
     assert mgr.acks == []
     time.sleep(LIFETIME_S + 0.05)

@@ -11,7 +11,8 @@ from typing import Any
 
 from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.internals import backend_module
-from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
+from sglang_harden.compat.lifecycle_nodes import _kv_poll
+from sglang_harden.compat.prefill_node import PrefillNode
 
 # The branch of a backend's abort-notice handler (prefill) that answers a notice for a room already concluded
 # (Success, or cleared) with a drain ack only when no chunk of the room is counted in flight, and has no else: no ack
@@ -36,7 +37,7 @@ def note_abort_notice(mgr: Any, backend: str, msg: Sequence[bytes]) -> None:
     concluded = room not in mgr.request_status or mgr.check_status(room) == _kv_poll().success
     if concluded and mgr._staging_outstanding.get(room, 0) > 0:
         node.kv_mgr = node.kv_mgr or mgr
-        node.orphan_targets[room] = (decode_ip, decode_port)
+        node.keep_ack_target(room, (decode_ip, decode_port))
 
 
 def drops_ack_of_concluded_room(backend: str) -> bool:

@@ -13,7 +13,8 @@ from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.backends.common import drops_ack_of_concluded_room, note_abort_notice, rooms_in_flight
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import MOONCAKE
-from sglang_harden.compat.lifecycle_nodes import PrefillNode, _kv_poll
+from sglang_harden.compat.lifecycle_nodes import _kv_poll
+from sglang_harden.compat.prefill_node import PrefillNode
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle

@@ -26,7 +26,7 @@ from typing import Any
 from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import MORI
-from sglang_harden.compat.lifecycle_nodes import PrefillNode
+from sglang_harden.compat.prefill_node import PrefillNode
 
 Func = lifecycle_v05.Func
 
@@ -84,8 +84,8 @@ def _keep_target_of_failed_write(original: Func) -> Func:
     def arm_abort_ack(self: Any, bootstrap_room: int, notification: Any, *args: Any, **kwargs: Any) -> Any:
         node = _prefill_node(self)
         target = notification.deferred_ack_target() if node is not None else None
-        if node is not None and target is not None and int(bootstrap_room) in node.failed_writes:
-            lifecycle_v05._keep_ack_targets(node, int(bootstrap_room), {(target.ip, target.port): target})
+        if node is not None and target is not None and node.write_failed(int(bootstrap_room)):
+            node.keep_ack_target(int(bootstrap_room), {(target.ip, target.port): target})
         return original(self, bootstrap_room, notification, *args, **kwargs)
 
     return arm_abort_ack

@@ -10,7 +10,7 @@ from sglang_harden.compat import lifecycle_v05
 from sglang_harden.compat.backends.common import note_abort_notice, rooms_in_flight
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import NIXL
-from sglang_harden.compat.lifecycle_nodes import PrefillNode
+from sglang_harden.compat.prefill_node import PrefillNode
 
 Func = lifecycle_v05.Func
 
