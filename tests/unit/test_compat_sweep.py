@@ -68,6 +68,7 @@ def test_a_guard_needs_every_core_hook_and_the_mooncake_ones(tmp_path: Path) -> 
              _hook("R.send", ("self", "kv"), module=nixl)]
     verdict = sweep.judge_guard(tree, "coverage", hooks)
     assert verdict.verdict == sweep.HOOKABLE and verdict.backends == ["mooncake"]
+    assert verdict.lacking == ["nixl"], "a backend the release has, whose hooks do not resolve, is named"
     broken = sweep.judge_guard(tree, "coverage", [*hooks, _hook("gone", ("a",))])
     assert broken.verdict == sweep.NEEDS_PATCH and broken.missing == ["sglang.srt.x.gone: not found"]
 
