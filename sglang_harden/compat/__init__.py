@@ -3,8 +3,9 @@
 ``activate()`` reads the installed SGLang version without importing SGLang, picks the family adapter and
 registers its hooks; each hook installs itself when its target module is imported in this process. An
 unknown pin is refused with a message naming it and the override (``SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1``,
-``--harden-allow-unknown-pin 1``), which then tries the nearest family and still fails closed on any hook
-whose target or signature does not match.
+``--harden-allow-unknown-pin 1``), which then takes the family whose hooks resolve on that release's code (read
+without importing it, as ``compat sweep`` judges it) and still fails closed on any hook whose target or signature
+does not match.
 """
 
 from __future__ import annotations
@@ -14,23 +15,15 @@ import importlib.metadata
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from sglang_harden._importhook import when_imported
 from sglang_harden.compat import control_auth, hooks
+from sglang_harden.compat.pins import SUPPORTED_PINS  # re-exported
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import GUARDS, Mode, load_config
 
 logger = logging.getLogger("sglang_harden")
-
-# pin -> family module (under sglang_harden.compat)
-SUPPORTED_PINS: dict[str, str] = {
-    "0.4.9.post6": "sglang_v049",
-    "0.5.19": "sglang_v05",
-    "0.5.20": "sglang_v05",
-    "0.5.21": "sglang_v05",
-    "0.5.22": "sglang_v05",
-    "0.5.23": "sglang_v05",
-}
 
 _lock = threading.Lock()
 _active: Activation | None = None
@@ -63,8 +56,24 @@ def family_module_for(pin: str | None, allow_unknown: bool) -> str:
             "Refusing to start unguarded. Override at your own risk with SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1 "
             "(or --harden-allow-unknown-pin 1); every hook is still checked against this pin's code."
         )
-    logger.warning("sglang-harden: unknown SGLang pin %s allowed by override; using family sglang_v05", pin)
-    return "sglang_v05"
+    fitting, family, missing = probe_family()
+    if fitting is None:
+        logger.warning("sglang-harden: unknown SGLang pin %s allowed by override; no adapter family fits its code, "
+                       "taking %s (fewest gaps), whose armed hooks still refuse where they do not resolve: %s", pin,
+                       family, "; ".join(missing[:5]) or "-")
+    else:
+        logger.warning("sglang-harden: unknown SGLang pin %s allowed by override; family %s (every hook of it "
+                       "resolves on this release's code)", pin, family)
+    return family
+
+
+def probe_family() -> tuple[str | None, str, list[str]]:
+    """The adapter family for the installed SGLang, judged from its code (``compat_sweep.choose_family``)."""
+    from sglang_harden.tools._source import SourceTree
+    from sglang_harden.tools.compat_sweep import choose_family
+
+    root = importlib.metadata.distribution("sglang").locate_file("")
+    return choose_family(SourceTree(Path(str(root))))
 
 
 def activate(source: str) -> Activation:

@@ -148,8 +148,7 @@ def judge_release(release: str, tree: Any, supported: dict[str, str]) -> Release
                          for g in OWNERS}
         return report
     judged = {name: judge_family(tree, name) for name in FAMILIES}
-    report.adapter = next((name for name in FAMILIES if _fits(judged[name][0])), None)
-    best = report.adapter or min(FAMILIES, key=lambda name: _problems(judged[name][0]))
+    report.adapter, best = _choose({name: verdicts for name, (verdicts, _) in judged.items()})
     verdicts, report.optional = judged[best]
     report.guards = {g: verdicts.get(g, GuardVerdict(NEEDS_PATCH, missing=[NOT_IN_ADAPTER.format(best)]))
                      for g in OWNERS}
@@ -157,6 +156,20 @@ def judge_release(release: str, tree: Any, supported: dict[str, str]) -> Release
                              for name in FAMILIES if name != best}
     report.protections = {key: native.status for key, native in _protections.inspect_tree(tree).items()}
     return report
+
+
+def choose_family(tree: Any) -> tuple[str | None, str, list[str]]:
+    """(the family whose every guard is hookable on ``tree``, or None; the one to use: that, else the family with
+    the fewest problems; what the one to use misses). The plugin takes its adapter for an unknown release from
+    here, so it and the sweep agree."""
+    judged = {name: judge_family(tree, name)[0] for name in FAMILIES}
+    fitting, best = _choose(judged)
+    return fitting, best, sorted({p for v in judged[best].values() for p in v.missing})
+
+
+def _choose(judged: dict[str, dict[str, GuardVerdict]]) -> tuple[str | None, str]:
+    fitting = next((name for name in FAMILIES if _fits(judged[name])), None)
+    return fitting, fitting or min(FAMILIES, key=lambda name: _problems(judged[name]))
 
 
 def _fits(verdicts: dict[str, GuardVerdict]) -> bool:
@@ -182,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_harden.compat import SUPPORTED_PINS
+    from sglang_harden.compat.pins import SUPPORTED_PINS
     from sglang_harden.tools import _wheels
     from sglang_harden.tools._source import SourceTree
 

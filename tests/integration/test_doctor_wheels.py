@@ -158,6 +158,16 @@ def test_the_support_matrix_is_generated_not_written(pin: str) -> None:
 DROPS_ACK_RELEASES = {"mooncake": ("0.5.19", "0.5.20"), "nixl": ("0.5.19", "0.5.20", "0.5.21"), "mori": ()}
 
 
+@pytest.mark.parametrize("pin", [*sorted(SUPPORTED_PINS), "0.4.10.post2"])
+def test_the_plugin_chooses_its_adapter_by_the_release_code(pin: str) -> None:
+    """The family an unknown release gets under the override is the one whose hooks resolve on its code: each
+    supported pin's own, and the 0.4.9 one for 0.4.10.post2 (the nearest version string would say 0.5)."""
+    from sglang_harden.tools.compat_sweep import choose_family
+
+    fitting, family, missing = choose_family(SourceTree(sglang_tree(pin)))
+    assert fitting == family == SUPPORTED_PINS.get(pin, "sglang_v049") and missing == []
+
+
 @pytest.mark.parametrize("pin", sorted(p for p, adapter in SUPPORTED_PINS.items() if adapter == "sglang_v05"))
 def test_dropped_ack_probe_matches_each_release(pin: str) -> None:
     """The guard's probe for the branch that answers a decode abort notice for a concluded room with an ack only when

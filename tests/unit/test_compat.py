@@ -22,8 +22,18 @@ def test_unknown_pin_refused_with_pin_and_override_named() -> None:
     assert "--harden-allow-unknown-pin" in message
 
 
-def test_unknown_pin_allowed_only_by_override() -> None:
-    assert family_module_for("0.5.99", allow_unknown=True) == "sglang_v05"
+def test_unknown_pin_allowed_by_override_takes_the_family_its_code_fits(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Not the nearest version string: the family whose hooks resolve on the release's code (0.4.10.x is a 0.4.9
+    release by its code, tests/integration/test_doctor_wheels.py reads the real trees)."""
+    from sglang_harden import compat
+
+    monkeypatch.setattr(compat, "probe_family", lambda: ("sglang_v049", "sglang_v049", []))
+    assert family_module_for("0.4.10.post2", allow_unknown=True) == "sglang_v049"
+    monkeypatch.setattr(compat, "probe_family", lambda: (None, "sglang_v05", ["x.Y.z: not found"]))
+    with caplog.at_level("WARNING", logger="sglang_harden"):
+        assert family_module_for("0.5.99", allow_unknown=True) == "sglang_v05"
+    assert "no adapter family fits" in caplog.text and "x.Y.z: not found" in caplog.text
 
 
 def test_missing_sglang_refused() -> None:
