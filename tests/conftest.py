@@ -10,16 +10,21 @@
 - Every process group the testbed starts is recorded (in memory, and in a pid file that subprocesses started
   by tests append to through ``SGLANG_HARDEN_TESTBED_PIDFILE``); at session end any of them still alive is
   killed and the session fails.
+- With ``SGLANG_HARDEN_MATRIX_RESULTS=DIR``, each test marked ``proves(path, *guards)`` appends its result per pin
+  to ``DIR/<pin>.jsonl``, from which ``sglang-harden doctor --matrix`` builds the guard x pin x path matrix.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from sglang_harden.tools import matrix
+from sglang_harden.tools.matrix import ENV as MATRIX_ENV
 
 PIDFILE_ENV = "SGLANG_HARDEN_TESTBED_PIDFILE"
 
@@ -199,3 +204,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if reporter is not None:
         reporter.write_line(msg, red=True)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """With ``SGLANG_HARDEN_MATRIX_RESULTS`` set, a test marked ``proves`` adds its result to the matrix (a pass or
+    a failure of the test itself, or a failure in its set-up; a skip says nothing)."""
+    outcome = yield
+    report = outcome.get_result()
+    marker = item.get_closest_marker("proves")
+    results = os.environ.get(MATRIX_ENV)
+    if not results or marker is None or report.skipped:
+        return
+    if report.when != "call" and not report.failed:
+        return
+    pin = _item_pin(item) or _case_pin(item)
+    if pin is not None:
+        matrix.record(Path(results), item.nodeid, pin, marker.args[0], marker.args[1:], report.outcome)
+
+
+def _case_pin(item: pytest.Item) -> str | None:
+    """The pin of a case named ``<pin>/<backend>[/<profile>]``."""
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    return case.split("/")[0] if isinstance(case, str) and "/" in case else None

@@ -5,8 +5,10 @@ is looked for per protection), never from the version string, so a backported or
 What sglang-harden supplies comes from ``sglang_harden.compat.describe()``. Runtime switches are read from
 this process's environment and from ``--launch-args`` (the flags the server is, or will be, started with).
 
+``--matrix`` prints instead the guard x pin x path matrix built from end-to-end results (:mod:`.matrix`).
+
 Exit codes: 0 every protection is covered (natively on, switched on, or supplied by sglang-harden);
-1 at least one is missing; 2 no SGLang source could be read.
+1 at least one is missing; 2 no SGLang source could be read (``--matrix``: no usable results).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '(e.g. "--kv-canary log --disaggregation-enable-kv-checksum")',
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the code evidence per row")
+    parser.add_argument("--matrix", action="store_true",
+                        help="print the guard x pin x path matrix built from e2e results (see --results) instead")
+    parser.add_argument("--results", type=Path, default=Path("docs/e2e-results"),
+                        help="with --matrix: the e2e results directory (scripts/matrix.sh writes it; default "
+                        "docs/e2e-results)")
 
 
 @dataclass
@@ -394,6 +401,8 @@ def _yes_no(value: bool | None, guard: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.matrix:
+        return _print_matrix(args.results)
     try:
         tree = SourceTree(args.sglang_root) if args.sglang_root else SourceTree.installed()
     except (FileNotFoundError, OSError) as exc:
@@ -410,3 +419,19 @@ def run(args: argparse.Namespace) -> int:
     data = report(tree, launch_args, dict(os.environ))
     print(dump_json(data) if args.json else render_text(data, args.verbose))
     return EXIT_OK if data["ok"] else EXIT_MISSING
+
+
+def _print_matrix(results: Path) -> int:
+    from sglang_harden.tools import matrix
+    from sglang_harden.tools.patch import default_patches_dir
+
+    if not results.is_dir():
+        print(f"doctor --matrix: no results directory {results} (run scripts/matrix.sh, or pass --results DIR)")
+        return EXIT_NO_SGLANG
+    try:
+        cells = matrix.load(results)
+    except ValueError as exc:
+        print(f"doctor --matrix: {exc}")
+        return EXIT_NO_SGLANG
+    print(matrix.document(cells, default_patches_dir(), str(results)), end="")
+    return EXIT_OK

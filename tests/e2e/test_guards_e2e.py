@@ -207,6 +207,7 @@ def _decode_generated_for(pair: PDPair, rid: str) -> bool:
     return first_decode_event(trace, rid) is not None
 
 
+@pytest.mark.proves("plugin", "admission")
 def test_oversized_prompt_rejected_at_both_doors_direct(pairs: PairFactory, pin: str) -> None:
     pair = pairs("hardened")
     b = _send_a_then_b(pair, "direct")
@@ -218,6 +219,7 @@ def test_oversized_prompt_rejected_at_both_doors_direct(pairs: PairFactory, pin:
     assert not _decode_generated_for(pair, "direct-B"), "decode ran a decode step for the rejected request"
 
 
+@pytest.mark.proves("plugin", "admission")
 def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) -> None:
     pair = pairs("hardened")
     started = time.monotonic()
@@ -230,6 +232,7 @@ def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) 
     assert not _decode_generated_for(pair, "router-B")
 
 
+@pytest.mark.proves("plugin", "abort_notify")
 def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: str) -> None:
     """Prefill's tokenizer refuses the prompt (longer than the context) before its scheduler sees it; decode,
     holding a reservation for the same room, acts on prefill's notice within 1 s of the refusal (the servers' own
@@ -251,6 +254,7 @@ def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: st
     assert not state.get("lifecycle") or state["lifecycle"].get("quarantined_pages") == 0, state
 
 
+@pytest.mark.proves("plugin", "abort_notify")
 def test_refusal_reaches_a_decode_whose_pool_is_busy(pairs: PairFactory, pin: str) -> None:
     """A holder request reaches decode first and takes most of its pool while it waits for its KV, so B waits in
     decode's preallocation queue with its handshake done. Up to 0.5.22 SGLang skips polling that queue while
@@ -319,6 +323,7 @@ def test_refusal_answered_while_prefill_scheduler_is_stalled(pairs: PairFactory,
     assert nudge["r"].prefill.ok and nudge["r"].decode.ok, (nudge["r"].prefill.summary(), nudge["r"].decode.summary())
 
 
+@pytest.mark.proves("plugin", "lifecycle")
 def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFactory, pin: str) -> None:
     """A's engine call gives up (prefill marks A's decode session failed) while its bytes may still land; C, queued
     behind A for the same decode session, is failed without a byte of it written. Decode must quarantine A's pages
@@ -349,6 +354,7 @@ def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFacto
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
 
 
+@pytest.mark.proves("plugin", "lifecycle")
 def test_abort_crossing_the_success_gets_its_drain_ack(pairs: PairFactory, pin: str) -> None:
     """Decode gives up on R (its client went away) just as prefill concludes R: prefill has marked R's transfer a
     Success, but its worker still counts R's chunk in flight and decode has not heard of the Success yet. Decode
@@ -458,6 +464,7 @@ def _bootstrap_call(port: int, method: str, target: str, body: bytes, headers: d
         return int(exc.code)
 
 
+@pytest.mark.proves("plugin", "bootstrap_auth")
 def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pin: str) -> None:
     """The testbed gives every hardened server its control-plane secret file. While a victim request is in
     flight (direct, on a room we chose, and through sglang-router), a caller without the secret gets 401 on every
@@ -506,6 +513,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
     assert after.decode.ok and after.decode.output_ids == reference.decode.output_ids, "the route table held"
 
 
+@pytest.mark.proves("plugin", "bootstrap_auth")
 def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) -> None:
     """Rotate the control-plane secret node by node, in place, as README says: add the next secret second
     everywhere, make it first everywhere, then drop the old one. Requests keep coming, and every one is served.
@@ -563,6 +571,7 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
     assert counters.get("admission", {}).get("reject", 0) >= 1, counters
 
 
+@pytest.mark.proves("plugin", "coverage")
 def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     """Auto-truncate: prefill sends KV for 250 tokens, decode reserved 300. Vanilla serves it; hardened aborts."""
     body = greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="trunc-B")
@@ -579,6 +588,7 @@ def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     assert state.get("available_tokens", 0) + state.get("evictable_tokens", 0) == state["max_total_num_tokens"], state
 
 
+@pytest.mark.proves("plugin", "retire")
 def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: str) -> None:
     """Prefill aborts a request after its forward, before the final KV send (test hook). Vanilla <= 0.5.19 still
     sends the KV and "transfer complete" and decode generates for a request prefill gave up on; 0.5.20+ skips

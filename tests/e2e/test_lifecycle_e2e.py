@@ -79,6 +79,7 @@ def _brief(res: dict[str, Any]) -> str:
     return json.dumps({k: res.get(k) for k in keys}, default=str)
 
 
+@pytest.mark.proves("plugin", "lifecycle")
 def test_hardened_no_corruption_and_pages_back(results: dict[str, dict[str, Any]]) -> None:
     res = results["hardened"]
     assert res["late_write_landed"], _brief(res)
@@ -100,6 +101,7 @@ def test_hardened_oracles_saw_what_they_judge(results: dict[str, dict[str, Any]]
     assert lifecycle["quarantined_pages"] == 0, lifecycle
 
 
+@pytest.mark.proves("plugin", "page_tags")
 def test_hardened_misowned_page_is_aborted_not_generated(results: dict[str, dict[str, Any]]) -> None:
     misowned = results["hardened"]["misowned_page_request"]
     assert misowned["status"] == 500, misowned

@@ -151,6 +151,7 @@ def test_normal_requests_pass_both_coverage_checks(mixed: Any, pin: str) -> None
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.proves("plugin", "page_tags")
 @pytest.mark.parametrize("pin", PINS)
 def test_page_tags_guard_alone_with_lifecycle_off(mixed: Any, pin: str) -> None:
     run = mixed(pin, "patched-prefill")

@@ -191,6 +191,7 @@ def test_vanilla_behaviour_on_paged_kv(pin: str, runs: dict[str, dict[str, Any]]
         assert first.b.decode.status != 200, _brief(rounds)
 
 
+@pytest.mark.proves("plugin", "admission")
 def test_hardened_refuses_b_at_both_doors(runs: dict[str, dict[str, Any]]) -> None:
     rounds = runs["hardened"]["rounds"]
     assert len(rounds) == 1 + len(SETUP.a_seeds), _brief(rounds)
@@ -207,6 +208,7 @@ def test_hardened_answers_a_like_vanilla(runs: dict[str, dict[str, Any]]) -> Non
         assert v.a.decode.output_ids == h.a.decode.output_ids, (v.index, v.a.decode.summary(), h.a.decode.summary())
 
 
+@pytest.mark.proves("plugin", "canary")
 def test_unwritten_page_served_by_vanilla_refused_by_the_canary(runs: dict[str, dict[str, Any]]) -> None:
     """A transfer that skipped one reserved page and reported success: vanilla decode generates over the page's
     old content; hardened decode (the canary in its default mode, ``enforce``) aborts before the
@@ -226,6 +228,7 @@ def test_hardened_pools_full_and_ledger_clean(runs: dict[str, dict[str, Any]]) -
     assert ledger.get("pages_not_free_in_ledger") == 0 and ledger.get("quarantined_pages") == 0, quiesce
 
 
+@pytest.mark.proves("plugin", "page_tags")
 def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags(
     runs: dict[str, dict[str, Any]],
 ) -> None:
@@ -251,6 +254,7 @@ def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags
     assert hardened["table_first_decode"] is None, hardened["table_first_decode"]
 
 
+@pytest.mark.proves("plugin", "checksum")
 def test_flipped_bit_served_by_vanilla_found_by_the_digest(runs: dict[str, dict[str, Any]]) -> None:
     """One bit of one received KV row flipped before the commit: vanilla decodes over it; the hardened digest
     (``log`` mode here) tells that request's KV from what prefill sent, and found no clean request's different."""
@@ -264,6 +268,7 @@ def test_flipped_bit_served_by_vanilla_found_by_the_digest(runs: dict[str, dict[
     assert before.get("checksum:allow", 0) >= len(SETUP.a_seeds), before
 
 
+@pytest.mark.proves("plugin", "abort_notify")
 def test_front_door_refusal_held_by_vanilla_told_to_hardened(runs: dict[str, dict[str, Any]]) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context while decode holds a reservation for the
     same room: vanilla decode hears nothing and waits out its timeout; hardened decode answers prefill's 400

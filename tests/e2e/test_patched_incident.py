@@ -163,6 +163,7 @@ def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
+@pytest.mark.proves("patch", "admission")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_tree_rejects_b_at_prefill_and_decode(incident: Any, pin: str) -> None:
     for rnd in incident(pin, "patched")["rounds"]:
@@ -178,6 +179,7 @@ def test_patched_code_runs_in_the_servers(incident: Any, pin: str) -> None:
     assert "pd_rejections: prefill" in logs["decode"]
 
 
+@pytest.mark.proves("patch", "bootstrap_auth")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_control_plane_refuses_an_attacker(incident: Any, pin: str) -> None:
     """With a secret file, the patched bootstrap server refuses every request of a caller without the secret
@@ -204,6 +206,7 @@ def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
 
 
+@pytest.mark.proves("patch", "abort_notify")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context before any scheduler sees it. The series posts
@@ -218,6 +221,7 @@ def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> No
     assert not door["decode_generated"], door
 
 
+@pytest.mark.proves("patch", "coverage")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_coverage_refuses_a_short_transfer(incident: Any, pin: str) -> None:
     """Prefill with --allow-auto-truncate serves B truncated to its limit (no rejection, so the doors and the

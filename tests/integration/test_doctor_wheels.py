@@ -158,6 +158,17 @@ def test_the_support_matrix_is_generated_not_written(pin: str) -> None:
 DROPS_ACK_RELEASES = {"mooncake": ("0.5.19", "0.5.20"), "nixl": ("0.5.19", "0.5.20", "0.5.21"), "mori": ()}
 
 
+@pytest.mark.parametrize("pin", sorted(EXPECTED))
+def test_the_matrix_upstream_cells_match_the_code(pin: str) -> None:
+    """The matrix says a patched tree needs no patch for a guard upstream has itself from a release on: the
+    detectors read the same from each pin's code."""
+    from sglang_harden.tools import matrix
+
+    natives = P.inspect_tree(SourceTree(sglang_tree(pin)))
+    for guard, (key, _first) in matrix.UPSTREAM.items():
+        assert (natives[key].status == P.YES) == matrix.upstream_has(pin, guard), (pin, guard)
+
+
 @pytest.mark.parametrize("pin", [*sorted(SUPPORTED_PINS), "0.4.10.post2"])
 def test_the_plugin_chooses_its_adapter_by_the_release_code(pin: str) -> None:
     """The family an unknown release gets under the override is the one whose hooks resolve on its code: each
