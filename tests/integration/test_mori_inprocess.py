@@ -199,6 +199,17 @@ def _ack_rooms(mgr: Any) -> list[int]:
     return [int(frames[1].decode("ascii")) for frames in mgr.acks]
 
 
+def _acked_only_after_the_write_lifetime(mgr: Any, allocator: Any, held_pages: int) -> None:
+    """No drain ack and the source pages held while the failed write may land; the ack and the pages after."""
+    _settle_step()
+    assert mgr.acks == [], "the failed write may still land: no drain ack yet"
+    assert allocator.available_size() == POOL - held_pages, "its source pages stay held"
+    time.sleep(LIFETIME_S + 0.05)
+    _settle_step()
+    assert set(_ack_rooms(mgr)) == {ROOM}, "acked once the write can no longer land"
+    assert allocator.available_size() == POOL
+
+
 def test_sources_held_until_the_chunk_drained(conn: Any, allocator: Any) -> None:
     _prefill(allocator)
     mgr = _manager(conn)
@@ -232,13 +243,7 @@ def test_failed_write_holds_ack_and_sources_for_its_lifetime(conn: Any, allocato
         _decode_aborts(conn, mgr)
         allocator.free(src)
     assert ROOM in node.view("failed_at")
-    _settle_step()
-    assert mgr.acks == [], "the failed write may still land: no drain ack yet"
-    assert allocator.available_size() == POOL - 8, "its source pages stay held"
-    time.sleep(LIFETIME_S + 0.05)
-    _settle_step()
-    assert set(_ack_rooms(mgr)) == {ROOM}, "acked once the write can no longer land"
-    assert allocator.available_size() == POOL
+    _acked_only_after_the_write_lifetime(mgr, allocator, held_pages=8)
 
 
 def test_failed_submission_is_a_failed_write(conn: Any, allocator: Any) -> None:
@@ -249,11 +254,7 @@ def test_failed_submission_is_a_failed_write(conn: Any, allocator: Any) -> None:
     allocator.free(src)
     mgr._handle_submission_failure(chunk, conn._MoriTransferSubmissionError("post failed", []))
     assert ROOM in node.view("failed_at"), "a submission that raised may have posted part of the chunk"
-    _settle_step()
-    assert mgr.acks == []
-    time.sleep(LIFETIME_S + 0.05)
-    _settle_step()
-    assert set(_ack_rooms(mgr)) == {ROOM}
+    _acked_only_after_the_write_lifetime(mgr, allocator, held_pages=8)
 
 
 def test_abort_notice_after_a_failed_write_is_answered_after_its_lifetime(conn: Any, allocator: Any) -> None:
@@ -261,14 +262,11 @@ def test_abort_notice_after_a_failed_write_is_answered_after_its_lifetime(conn: 
     ack target (decode would wait for its own timeout); 0.5.22 would ack at once. Either way: one ack, late."""
     _prefill(allocator)
     mgr = _manager(conn)
-    _src, chunk = _queue_chunk(mgr, allocator)
+    src, chunk = _queue_chunk(mgr, allocator)
     mgr._drain_transfer_statuses(chunk, [Status("failed")])
     _decode_aborts(conn, mgr)
-    _settle_step()
-    assert mgr.acks == []
-    time.sleep(LIFETIME_S + 0.05)
-    _settle_step()
-    assert set(_ack_rooms(mgr)) == {ROOM}
+    allocator.free(src)
+    _acked_only_after_the_write_lifetime(mgr, allocator, held_pages=8)
 
 
 def test_vanilla_mori_acks_or_drops_a_failed_write(conn: Any, allocator: Any) -> None:
