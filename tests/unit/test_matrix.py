@@ -83,13 +83,38 @@ def test_the_suite_records_marked_tests_per_pin(tmp_path: Path) -> None:
         @pytest.mark.parametrize("case", ["0.5.23/nixl/paged16"])
         def test_case_named(case):
             pass
+
+        @pytest.mark.proves("plugin", "page_tags")
+        @pytest.mark.parametrize("pin", ["0.5.19/mooncake"])
+        def test_pin_named_like_a_case(pin):
+            pass
+
+        @pytest.mark.proves("plugin", "no_such_guard")
+        @pytest.mark.parametrize("pin", ["0.5.19"])
+        def test_badly_marked(pin):
+            pass
     """))
     results = tmp_path / "results"
     env = {**os.environ, matrix.ENV: str(results), "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    str(suite)], env=env, cwd=tmp_path, capture_output=True, check=False, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          str(suite)], env=env, cwd=tmp_path, capture_output=True, text=True, check=False, timeout=120)
+    assert "1 failed, 4 passed, 1 skipped" in run.stdout, "a bad mark warns, it does not end the session"
+    assert "matrix result of" in run.stdout and "no_such_guard" in run.stdout
     assert matrix.load(results) == {("0.5.19", "plugin", "admission"): "e2e", ("0.5.23", "patch", "coverage"): "FAILED",
-                                    ("0.5.23", "plugin", "canary"): "e2e"}
+                                    ("0.5.23", "plugin", "canary"): "e2e", ("0.5.19", "plugin", "page_tags"): "e2e"}
+
+
+def test_every_proves_mark_in_the_suite_names_a_path_and_known_guards() -> None:
+    import ast
+
+    found = 0
+    for path in (REPO / "tests" / "e2e").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.mark.proves":
+                args = [ast.literal_eval(arg) for arg in node.args]
+                assert args[0] in matrix.PATHS and set(args[1:]) <= set(matrix.COLUMNS) and args[1:], (path, args)
+                found += 1
+    assert found >= 30
 
 
 def test_readmes_matrix_is_generated_from_the_committed_results() -> None:
