@@ -15,7 +15,6 @@ import importlib.metadata
 import logging
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from sglang_harden._importhook import when_imported
 from sglang_harden.compat import control_auth, hooks
@@ -72,8 +71,10 @@ def probe_family() -> tuple[str | None, str, list[str]]:
     from sglang_harden.tools._source import SourceTree
     from sglang_harden.tools.compat_sweep import choose_family
 
-    root = importlib.metadata.distribution("sglang").locate_file("")
-    return choose_family(SourceTree(Path(str(root))))
+    tree = SourceTree.installed()
+    if tree is None:
+        raise HardenRefusal("sglang-harden: SGLang's code is not readable here, so no adapter can be chosen for it")
+    return choose_family(tree)
 
 
 def activate(source: str) -> Activation:

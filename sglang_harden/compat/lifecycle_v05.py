@@ -406,7 +406,7 @@ def _keep_poisoned_target(original: Func) -> Func:
                 node.note_failed_write([int(room)])
             targets = getattr(self, "_deferred_ack_targets", {}).get(room)
             if targets:
-                node.keep_ack_target(int(room), dict(targets))
+                node.keep_ack_target(int(room), targets)
         return original(self, room, *args, **kwargs)
 
     return poison

@@ -108,11 +108,12 @@ class PrefillNode:
 
     def keep_ack_target(self, room: int, target: Any) -> None:
         """Keep a drain-ack target SGLang drops (a ``(decode_ip, decode_port)`` tuple, or 0.5.21+'s
-        ``{(ip, port): AckTarget}``, merged with the ones already kept)."""
+        ``{(ip, port): AckTarget}``, copied and merged with the ones already kept)."""
 
         def keep(record: SourceRoom) -> None:
-            if isinstance(target, dict) and isinstance(record.kept_target, dict):
-                record.kept_target = {**record.kept_target, **target}
+            if isinstance(target, dict):
+                kept = record.kept_target if isinstance(record.kept_target, dict) else {}
+                record.kept_target = {**kept, **target}
             else:
                 record.kept_target = target
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from sglang_harden.compat.pins import SUPPORTED_PINS
 from sglang_harden.config import GUARDS
+from sglang_harden.tools._wheels import release_key
 
 PATHS = ("plugin", "patch")
 COLUMNS = (*GUARDS, "capacity")
@@ -82,11 +83,13 @@ def plugin_guards(pin: str) -> set[str]:
 
 
 def patch_guards(pin: str, patches_dir: Path) -> set[str]:
-    series = patches_dir / pin / "series"
-    if not series.exists():
+    from sglang_harden.tools.patch import PatchError, load_series
+
+    try:
+        series = load_series(pin, patches_dir)
+    except PatchError:
         return set()
-    names = [line.strip().split("-", 1)[1].removesuffix(".patch") for line in series.read_text().splitlines()
-             if line.strip() and "-" in line]
+    names = [patch.name.split("-", 1)[1].removesuffix(".patch") for patch in series]
     return {PATCH_GUARDS[name] for name in names if name in PATCH_GUARDS}
 
 
@@ -94,7 +97,7 @@ def render(cells: dict[Key, str], patches_dir: Path) -> str:
     """The matrix as Markdown: a row per supported pin, a cell per guard, ``plugin / patch`` in each."""
     header = ["pin", *COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for pin in sorted(SUPPORTED_PINS, key=_release_key):
+    for pin in sorted(SUPPORTED_PINS, key=release_key):
         static = {"plugin": plugin_guards(pin), "patch": patch_guards(pin, patches_dir)}
         row = [pin]
         for guard in COLUMNS:
@@ -105,7 +108,7 @@ def render(cells: dict[Key, str], patches_dir: Path) -> str:
 
 
 def upstream_has(pin: str, guard: str) -> bool:
-    return guard in UPSTREAM and _release_key(pin) >= _release_key(UPSTREAM[guard][1])
+    return guard in UPSTREAM and release_key(pin) >= release_key(UPSTREAM[guard][1])
 
 
 def _static_cell(pin: str, path: str, guard: str, has: set[str]) -> str:
@@ -116,7 +119,7 @@ def _static_cell(pin: str, path: str, guard: str, has: set[str]) -> str:
 
 def document(cells: dict[Key, str], patches_dir: Path, results_label: str) -> str:
     """docs/matrix.md: what the cells mean, which pins have results, the table."""
-    run = sorted({pin for pin, _, _ in cells}, key=_release_key)
+    run = sorted({pin for pin, _, _ in cells}, key=release_key)
     return "\n".join([
         "# Guard x pin x path matrix (generated)",
         "",
@@ -132,10 +135,6 @@ def document(cells: dict[Key, str], patches_dir: Path, results_label: str) -> st
         render(cells, patches_dir),
         "",
     ])
-
-
-def _release_key(pin: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in pin.replace(".post", ".").split("."))
 
 
 README_BEGIN, README_END = "<!-- matrix:begin (generated: scripts/matrix.sh) -->", "<!-- matrix:end -->"
