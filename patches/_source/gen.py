@@ -19,6 +19,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SRC = Path(os.environ.get("SGLANG_SRC", "/tmp/src"))
 OUT = HERE.parent
+AUTHOR = "sglang-harden <sglang-harden@localhost>"
+DATE = "Thu, 1 Jan 2026 00:00:00 +0000"
 
 
 def apply_edit(root: Path, rel: str, old: str | None, new: str) -> None:
@@ -42,6 +44,18 @@ def diff_file(before: Path, after: Path, rel: str) -> str:
     if b and not b[-1].endswith("\n"):
         raise SystemExit(f"{rel}: no final newline")
     return out
+
+
+def mail_header(header: str, idx: int, total: int) -> str:
+    """The patch's header as one mail of a ``git format-patch`` series (so ``git am`` takes it; ``patch -p1``
+    skips it): fixed sender and date so that the files are reproducible, the header's first line as subject,
+    the rest as the commit message, ``---`` before the diff."""
+    subject, _, message = header.strip().partition("\n")
+    return (f"From {'0' * 40} Mon Sep 17 00:00:00 2001\n"
+            f"From: {AUTHOR}\n"
+            f"Date: {DATE}\n"
+            f"Subject: [PATCH {idx}/{total}] {subject.strip()}\n"
+            f"\n{message.strip()}\n---\n")
 
 
 def main(pin: str, src_root: Path | None = None, out_root: Path = OUT) -> None:
@@ -71,7 +85,7 @@ def main(pin: str, src_root: Path | None = None, out_root: Path = OUT) -> None:
             apply_edit(cur, rel, old, new)
         body = "".join(diff_file(prev / rel, cur / rel, rel) for rel in touched)
         fname = f"{idx:04d}-{name}.patch"
-        (out / fname).write_text(header.strip() + "\n\n" + body)
+        (out / fname).write_text(mail_header(header, idx, len(spec.PATCHES)) + body)
         series.append(fname)
     (out / "series").write_text(
         f"# sglang-harden backport series for SGLang {pin}; apply in order with patch -p1\n"

@@ -33,6 +33,7 @@ EXIT_OK, EXIT_MISSING, EXIT_USAGE, EXIT_VERSION, EXIT_REJECT = 0, 1, 2, 3, 4
 PATCHES_ENV = "SGLANG_HARDEN_PATCHES"
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 _TARGET_RE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
+_SUBJECT_PREFIX_RE = re.compile(r"^\[PATCH[^\]]*\]\s*")
 
 
 class PatchError(Exception):
@@ -103,6 +104,10 @@ def load_series(pin: str, patches_dir: Path) -> list[Patch]:
 
 
 def _summary(text: str) -> str:
+    """The patch's subject (``Subject: [PATCH i/N] ...`` of a mail-formatted patch), else its first line."""
+    for line in text.splitlines():
+        if line.startswith("Subject:"):
+            return _SUBJECT_PREFIX_RE.sub("", line[len("Subject:"):].strip())
     for line in text.splitlines():
         if line.strip():
             return line.strip()

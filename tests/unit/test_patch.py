@@ -70,7 +70,7 @@ def make_tree(pin: str, dest: Path) -> Path:
 def _digest(tree: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(tree.rglob("*")):
-        if path.is_file():
+        if path.is_file() and ".git" not in path.relative_to(tree).parts:
             h.update(str(path.relative_to(tree)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
@@ -128,6 +128,27 @@ def test_patch_tool_agrees_with_plain_patch_p1(pin: str, tmp_path: Path) -> None
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _digest(by_tool) == _digest(by_hand)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+@pytest.mark.parametrize("pin", PINS)
+def test_series_applies_with_git_am(pin: str, tmp_path: Path) -> None:
+    """Operators who keep SGLang in git take the series with ``git am``: one commit per patch, the patch's
+    subject as the commit's, and the same tree as ``apply``."""
+    by_tool, by_git = make_tree(pin, tmp_path / "tool"), make_tree(pin, tmp_path / "git" / "python")
+    P.apply_series(by_tool, pin)
+    repo = by_git.parent
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-c", "commit.gpgsign=false"]
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "pristine"]):
+        subprocess.run(git + argv, cwd=repo, check=True, capture_output=True)
+    series = P.load_series(pin, PATCHES)
+    proc = subprocess.run(git + ["am", "-q", "--directory=python", *(str(p.path) for p in series)], cwd=repo,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = subprocess.run(git + ["log", "--reverse", "--format=%s"], cwd=repo, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert log == ["pristine", *(p.summary for p in series)]
+    assert _digest(by_tool) == _digest(by_git)
 
 
 def test_version_mismatch_is_refused_untouched(tmp_path: Path) -> None:
