@@ -27,6 +27,20 @@ def with_embeds(name: str, embeds: tuple[str, ...]) -> str:
 
 PD_REJECTIONS = with_embeds("pd_rejections.py", ("sglang_harden/channels/abort_wire.py",))
 PD_COVERAGE = with_embeds("pd_coverage.py", ("sglang_harden/channels/coverage_wire.py",))
+def with_bundle(name: str, provided: tuple[str, ...]) -> str:
+    """``patches/_source/<name>`` with the backport prelude (``_prelude.py``: mode switch, StrEnum) at its
+    ``# <prelude>`` line and sglang-harden's own modules bundled in at its ``# <bundle FILE ...>`` line
+    (``bundle.py``); ``provided``: names the text above the mark defines for them."""
+    from bundle import bundle
+
+    here = Path(__file__).resolve().parent
+    text = (here / name).read_text().replace("# <prelude>\n", (here / "_prelude.py").read_text())
+    marks = [line for line in text.splitlines() if line.startswith("# <bundle ")]
+    assert len(marks) == 1, f"{name} needs exactly one bundle mark"
+    paths = tuple(marks[0][len("# <bundle "):-1].split())
+    return text.replace(marks[0] + "\n", bundle(paths, provided))
+
+
 PD_AUTH = with_embeds("pd_auth.py", ("sglang_harden/compat/signing_client.py", "sglang_harden/compat/bootstrap_http.py"))
 
 def _internals() -> ModuleType:
@@ -49,6 +63,10 @@ COVMOD = _SG.source_file(f"{_SG.PD}.common.pd_coverage")
 SCHED = _SG.source_file(_SG.SCHEDULER)
 TOKENIZER = _SG.source_file(_SG.TOKENIZER)
 MOONCAKE = _SG.source_file(_SG.MOONCAKE)
+PAGETAGMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_page_tags")
+CANARYMOD = _SG.source_file(f"{_SG.PD}.common.pd_canary")
+ALLOC_TOKEN = _SG.source_file(_SG.ALLOC_TOKEN)
+ALLOC_PAGED = _SG.source_file(_SG.ALLOC_PAGED)
 
 H_ADMISSION = """\
 sglang-harden backport: admission at both PD doors
@@ -327,3 +345,118 @@ def auth_edits() -> list:
          "        target = rooms_target(rooms)\n"
          '        url = urllib.request.Request(f"http://{addr}{target}", headers=pd_auth.headers("GET", target, b""))\n'),
     ]
+
+
+H_PAGE_TAGS = """\
+sglang-harden backport: page ownership tags (decode reads only pages its own transfer wrote)
+
+What: decode keeps a ledger of its KV pages - owner, reservation, state - in a new module
+mem_cache/pd_page_tags.py (sglang-harden's own page ledger and page-tag check, generated into it).
+The prealloc queue records the pages it hands to the transfer backend (after send_metadata, any
+backend: owner room:<bootstrap_room>, being written); the token and paged allocators' free paths mark
+pages free again; before _commit_transfer_to_req commits a transfer (after the coverage check), the
+transfer's pages become written and every prompt page of the request's page table must be owned by
+that very reservation and written (its cached prefix: written), else the request is aborted with 500.
+SGLANG_HARDEN_PAGE_TAGS=enforce (default) | log | off, as on a plugin server.
+
+Why: the incident's victims decoded over pages another request's KV was still in. The coverage check
+counts tokens; this checks which pages: a page table that points at a page the request does not own
+(a free page, another request's, a reservation that was never written) is refused instead of decoded.
+"""
+
+PAGE_TAGS_IMPORT = "from sglang.srt.mem_cache import pd_page_tags\n"
+
+
+def page_tags_publish(indent: str) -> tuple[str, str]:
+    """(anchor, replacement) after the prealloc queue's ``send_metadata`` call, indented as the pin has it."""
+    call = (f"{indent}decode_req.kv_receiver.send_metadata(\n{indent}    page_indices,\n"
+            f"{indent}    decode_req.metadata_buffer_index,\n{indent}    state_indices,\n"
+            f"{indent}    **metadata_kwargs,\n{indent})\n")
+    return call, call + (f"{indent}# sglang-harden backport: the ledger learns whose pages the transfer writes.\n"
+                         f"{indent}pd_page_tags.note_published(\n"
+                         f"{indent}    self.token_to_kv_pool_allocator, decode_req.kv_receiver, page_indices\n"
+                         f"{indent})\n")
+
+
+def commit_refusal_block(comment: str, variable: str, call: str, label: str) -> str:
+    """Decode's commit refuses a real transfer the guard refuses: abort with 500, drop the receiver, return."""
+    return (f"        if not _is_fake_transfer(decode_req.req):\n"
+            f"            # sglang-harden backport: {comment}\n"
+            f"            {variable} = {call}\n"
+            f"            if {variable} is not None:\n"
+            f"                prepare_abort(\n"
+            f"                    decode_req.req,\n"
+            f"                    \"sglang-harden {label} check failed: \" + {variable},\n"
+            f"                    status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
+            f"                )\n"
+            f"                decode_req.kv_receiver.clear()\n"
+            f"                decode_req.kv_receiver = None\n"
+            f"                return\n\n")
+
+
+PAGE_TAGS_CHECK_CALL = commit_refusal_block(
+    "decode only over pages this request's own transfer wrote.", "page_tag_refusal",
+    "pd_page_tags.refusal_at_commit(\n                decode_req.req, self.scheduler.req_to_token_pool.req_to_token\n"
+    "            )", "page ownership")
+
+COMMIT_ANCHOR = "        self._commit_hicache_local_restore_to_req(decode_req)\n"
+TOKEN_FREE = ("    def free(self, free_index: torch.Tensor):\n        if free_index.numel() == 0:\n"
+              "            return\n")
+PAGED_RELEASE = "    def _release_page_ids(self, *page_ids: torch.Tensor):\n"
+PD_PAGE_TAGS = with_bundle("pd_page_tags.py", ("NOT_HANDLED", "DONE", "LedgerOps", "ledger_library", "StrEnum"))
+
+
+def page_tags_patch(indent: str) -> tuple[str, str, list]:
+    """The page-tag patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call)."""
+    anchor, replacement = page_tags_publish(indent)
+    return ("page-ownership-tags", H_PAGE_TAGS, [
+        (PAGETAGMOD, None, PD_PAGE_TAGS),
+        (DECODE, "from sglang.srt.environ import envs\n", PAGE_TAGS_IMPORT + "from sglang.srt.environ import envs\n"),
+        (DECODE, anchor, replacement),
+        (DECODE, COMMIT_ANCHOR, PAGE_TAGS_CHECK_CALL + COMMIT_ANCHOR),
+        (ALLOC_TOKEN, TOKEN_FREE, TOKEN_FREE + "        pd_page_tags.note_freed(self, free_index)  # sglang-harden backport\n"),
+        (ALLOC_PAGED, PAGED_RELEASE, PAGED_RELEASE + "        pd_page_tags.note_freed(self, *page_ids)  # sglang-harden backport\n"),
+        (ALLOC_TOKEN, "import torch\n", "import torch\n\n" + PAGE_TAGS_IMPORT),
+        (ALLOC_PAGED, "import torch\n", "import torch\n\n" + PAGE_TAGS_IMPORT),
+    ])
+
+
+H_CANARY = """\
+sglang-harden backport: KV canary (decode commits only pages its transfer wrote)
+
+What: a new module disaggregation/common/pd_canary.py (sglang-harden's own canary: markers, check and
+decision, generated into it). Right before the prealloc queue hands a request's destination pages to
+the transfer backend (send_metadata, any backend), decode writes a fresh 64-bit marker into the first
+token row of each page, in the first layer's K and the last layer's V buffer. A transfer writes whole
+pages, so it erases every marker of a page it wrote. Before _commit_transfer_to_req commits (after the
+coverage and page-tag checks), a page whose slot still holds its marker was never written: the request
+is aborted with 500. Decode's TP ranks each check their shard and agree (any refusal aborts on all).
+SGLANG_HARDEN_CANARY=enforce (default) | log | off, as on a plugin server.
+
+Why: a transfer that reports success without writing every reserved page (a backend bug, a truncated
+send, a skipped page) leaves the previous owner's KV in the request's pages - the incident's stale page.
+The coverage check trusts prefill's count and the page tags trust the backend's success; the canary
+looks at the memory itself.
+"""
+
+CANARY_IMPORT = "from sglang.srt.disaggregation.common import pd_canary\n"
+
+CANARY_CHECK_CALL = commit_refusal_block(
+    "a reserved page still holding its canary was never written.", "canary_refusal",
+    "pd_canary.refusal_at_commit(decode_req.req, self.gloo_group)", "canary")
+PD_CANARY = with_bundle("pd_canary.py", ("StrEnum",))
+
+
+def canary_patch(indent: str) -> tuple[str, str, list]:
+    """The canary patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call)."""
+    call = page_tags_publish(indent)[0]
+    stamp = (f"{indent}# sglang-harden backport: stamp the pages before their indices leave (kv canary).\n"
+             f"{indent}pd_canary.stamp_before_send(\n"
+             f"{indent}    self.token_to_kv_pool_allocator.get_kvcache(), decode_req.kv_receiver, page_indices\n"
+             f"{indent})\n")
+    return ("kv-canary", H_CANARY, [
+        (CANARYMOD, None, PD_CANARY),
+        (DECODE, "from sglang.srt.environ import envs\n", CANARY_IMPORT + "from sglang.srt.environ import envs\n"),
+        (DECODE, call, stamp + call),
+        (DECODE, COMMIT_ANCHOR, CANARY_CHECK_CALL + COMMIT_ANCHOR),
+    ])

@@ -116,4 +116,6 @@ PATCHES = [
         (TOKENIZER, TOKENIZER_ANCHOR, TOKENIZER_CLAMP),
     ]),
     ("authenticate-control-plane", H_AUTH, auth_edits()),
+    page_tags_patch(" " * 12),
+    canary_patch(" " * 12),
 ]

@@ -26,4 +26,6 @@ PATCHES = [
         "the final send", "the final send (upstream's _retire_aborted_prefill_result)"), notify_edits),
     _by_name["capacity-gate"],
     _by_name["authenticate-control-plane"],
+    _by_name["page-ownership-tags"],
+    _by_name["kv-canary"],
 ]

@@ -23,4 +23,6 @@ PATCHES = [
     (notify_name, notify_header, notify_edits),
     _by_name["capacity-gate"],
     _by_name["authenticate-control-plane"],
+    page_tags_patch(" " * 8),  # the send_metadata call moved into _send_kv_metadata
+    canary_patch(" " * 8),
 ]

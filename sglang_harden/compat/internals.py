@@ -45,6 +45,8 @@ def source_file(module: str) -> str:
 PREFILL_DOOR = (PREFILL, "PrefillBootstrapQueue.add")
 DECODE_DOOR = (DECODE, "DecodePreallocQueue.add")
 COMMIT = (DECODE, "DecodeTransferQueue._commit_transfer_to_req")
+TOKEN_FREE = (ALLOC_TOKEN, "TokenToKVPoolAllocator.free")
+PAGED_RELEASE = (ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids")
 POP_TRANSFERRED = (DECODE, "DecodeTransferQueue.pop_transferred")
 SETUP_ROUTES = (CONN, "CommonKVBootstrapServer._setup_routes")
 NOTE_ABORT_ACK = (CONN, "CommonKVManager.note_abort_ack")

@@ -57,9 +57,11 @@ from sglang_harden.compat.internals import (
     DECODE_DOOR,
     INVARIANTS,
     NOTE_ABORT_ACK,
+    PAGED_RELEASE,
     POP_TRANSFERRED,
     PREFILL,
     SCHEDULER,
+    TOKEN_FREE,
 )
 from sglang_harden.compat.lifecycle_nodes import (
     PUBLISHED,
@@ -439,8 +441,8 @@ def _withhold_ack(original: Func) -> Func:
 
 HOOKS: list[Hook] = [
     Hook("lifecycle", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_init),
-    Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.free", ("self", "free_index"), _token_free),
-    Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator._release_page_ids", ("self",), _paged_release),
+    Hook("lifecycle", *TOKEN_FREE, ("self", "free_index"), _token_free),
+    Hook("lifecycle", *PAGED_RELEASE, ("self",), _paged_release),
     Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", *POP_TRANSFERRED, ("self",), _confirmations_first),

@@ -64,24 +64,35 @@ Func = Callable[..., Any]
 
 
 def pending_rejection(req: Any) -> PendingRejection | None:
-    """The abort SGLang already decided for ``req`` (this pin records it in ``finished_reason``)."""
-    reason = getattr(req, "finished_reason", None)
-    if reason is not None and type(reason).__name__ == "FINISH_ABORT":
-        status = getattr(reason, "status_code", None)
-        return PendingRejection(str(reason.message), int(status or 400))
+    """The abort SGLang already decided for ``req``: 0.4.9 records it in ``finished_reason``, the releases from
+    0.5.4.post2 on that this family also serves (0.5.18) in ``to_finish``."""
+    for attr in ("to_finish", "finished_reason"):
+        reason = getattr(req, attr, None)
+        if reason is not None and type(reason).__name__ == "FINISH_ABORT":
+            status = getattr(reason, "status_code", None)
+            return PendingRejection(str(reason.message), int(status or 400))
     return None
 
 
 def is_aborted(req: Any) -> bool:
-    """An abort this pin has not turned into ``finished_reason`` yet (``AbortReq`` on a running request)."""
-    return bool(getattr(req, "to_abort", False))
+    """An abort not yet turned into a finish: 0.4.9's ``to_abort`` (``AbortReq`` on a running request), or an abort
+    pending in ``to_finish`` on the later releases this family serves."""
+    pending = getattr(req, "to_finish", None)
+    return bool(getattr(req, "to_abort", False)) or type(pending).__name__ == "FINISH_ABORT"
 
 
 def _abort_and_stream(scheduler: Any, req: Any, message: str, status_code: int) -> None:
     from sglang.srt.disaggregation.utils import prepare_abort
 
     prepare_abort(req, message, status_code=status_code)
-    scheduler.stream_output([req], req.return_logprob)
+    if getattr(req, "to_finish", None) is not None:
+        req.to_finish = None  # ours is the finish now (later releases apply to_finish over finished_reason)
+    _stream(scheduler, req)
+
+
+def _stream(scheduler: Any, req: Any) -> None:
+    streamer = getattr(scheduler, "output_streamer", None)  # 0.5.x moved stream_output onto it
+    (streamer.stream_output if streamer is not None else scheduler.stream_output)([req], req.return_logprob)
 
 
 READER = RequestReader(pending_rejection, is_aborted, _abort_and_stream)
@@ -141,7 +152,7 @@ def _abort_transferred(queue: Any, req: Any, decision: Decision) -> None:
     from sglang.srt.disaggregation import decode
 
     decode.prepare_abort(req, decision.reason, status_code=decision.status_code)
-    queue.scheduler.stream_output([req], req.return_logprob)
+    _stream(queue.scheduler, req)
     queue.tree_cache.cache_finished_req(req)
 
 

@@ -345,3 +345,17 @@ def assert_b_refused_at_both_doors(rnd: RoundResult, bound_s: float) -> None:
     assert b.decode.elapsed_s < bound_s, f"decode answered B after {b.decode.elapsed_s:.1f}s"
     assert not b.decode.output_ids
     assert rnd.a_rows_read_by_b == 0
+
+
+def assert_table_fault_read_by_vanilla(vanilla: dict[str, Any], guarded: dict[str, Any]) -> None:
+    """The kvfault ``table`` fault was applied once on each pair (so a refusal is not a fault that never happened),
+    and vanilla decoded over the page it points at: status 200, the KV tracer saw that page and rows another request
+    left there. ``vanilla``/``guarded``: a run's ``table`` result, ``table_fault`` lines and ``table_first_decode``."""
+    for run in (vanilla, guarded):
+        assert len(run["table_fault"]) == 1, run["table_fault"]
+        fault = run["table_fault"][0]
+        assert fault["page_now"] != fault["page_was"], fault
+    read = vanilla["table_first_decode"]
+    assert vanilla["table"].decode.status == 200 and read is not None, vanilla["table"].decode.summary()
+    assert vanilla["table_fault"][0]["page_now"] in read["pages"], (read, vanilla["table_fault"])
+    assert read["foreign_total"] > 0, read

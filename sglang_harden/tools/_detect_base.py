@@ -5,6 +5,7 @@ defaults of env vars and server args, KV backends and senders)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -26,9 +27,11 @@ from sglang_harden.tools._source import (
     FuncRef,
     SourceTree,
     attr_loads,
+    call_name,
     calls,
     class_field_default,
     exits_early,
+    identifiers,
 )
 
 BACKENDS = ("mooncake", "nixl", "mori")
@@ -175,3 +178,23 @@ def unique_refs(refs: Iterable[FuncRef | None]) -> list[FuncRef]:
         if ref is not None:
             seen.setdefault((ref.module, ref.qualname), ref)
     return list(seen.values())
+
+
+ABORT_CALL_RE = re.compile(r"abort|retire|fail", re.I)
+
+
+def aborting_if(ref: FuncRef, test_names: re.Pattern[str]) -> ast.If | None:
+    """The first ``if`` in ``ref`` whose test names something ``test_names`` matches and whose branch aborts the
+    request (a call named like abort / retire / fail) or raises."""
+    for node in ast.walk(ref.node):
+        if isinstance(node, ast.If) and any(test_names.search(i) for i in identifiers(node.test)) and \
+                branch_aborts(node):
+            return node
+    return None
+
+
+def branch_aborts(node: ast.If) -> bool:
+    """The ``if``'s branch aborts the request (a call named like abort / retire / fail) or raises."""
+    body = ast.Module(body=node.body, type_ignores=[])
+    return any(ABORT_CALL_RE.search(call_name(c)) for c in calls(body)) or any(
+        isinstance(s, ast.Raise) for s in ast.walk(body))

@@ -1,12 +1,19 @@
 """Detectors of the protections on a request's own path: rejection at both PD doors, retirement of aborted
-prefill results, decode's transferred-length check and the per-transfer KV checksum."""
+prefill results, decode's transferred-length check, the per-transfer KV checksum and the page ownership check."""
 
 from __future__ import annotations
 
 import ast
 import re
 
-from sglang_harden.compat.internals import COMMIT, DECODE_DOOR, POP_TRANSFERRED, PREFILL_DOOR
+from sglang_harden.compat.internals import (
+    COMMIT,
+    DECODE_DOOR,
+    PAGED_RELEASE,
+    POP_TRANSFERRED,
+    PREFILL_DOOR,
+    TOKEN_FREE,
+)
 from sglang_harden.tools._detect_base import (
     DECODE,
     NO,
@@ -18,6 +25,8 @@ from sglang_harden.tools._detect_base import (
     YES,
     Native,
     abort_fields,
+    aborting_if,
+    branch_aborts,
     dominated_by,
     guarded_ifs,
     line_of,
@@ -97,7 +106,6 @@ _LEN_RE = re.compile(
     r"|(num|len|count)\w*(transfer|sent|recv|receiv|cover|written)",
     re.I,
 )
-_ABORT_CALL_RE = re.compile(r"abort|retire|fail", re.I)
 
 
 def detect_coverage_check(tree: SourceTree) -> Native:
@@ -121,12 +129,7 @@ def _length_compare(ref: FuncRef) -> ast.If | None:
         if not isinstance(node, ast.If):
             continue
         compares = [c for c in ast.walk(node.test) if isinstance(c, ast.Compare)]
-        if not any(any(_LEN_RE.search(i) for i in identifiers(c)) for c in compares):
-            continue
-        body = ast.Module(body=node.body, type_ignores=[])
-        if any(_ABORT_CALL_RE.search(call_name(c)) for c in calls(body)) or any(
-            isinstance(s, ast.Raise) for s in ast.walk(body)
-        ):
+        if any(any(_LEN_RE.search(i) for i in identifiers(c)) for c in compares) and branch_aborts(node):
             return node
     return None
 
@@ -169,3 +172,27 @@ def _compares_values(func: ast.FunctionDef) -> bool:
         isinstance(n, ast.Raise) for n in ast.walk(func)
     )
     return has_compare and handles
+
+
+_OWNERSHIP_RE = re.compile(r"page_?tag|page_?owner|ownership", re.I)
+_LEDGER_CALL_RE = re.compile(r"note_freed|ledger|page_?tag", re.I)
+ALLOCATOR_FREES = (TOKEN_FREE, PAGED_RELEASE)
+
+
+def detect_page_ownership(tree: SourceTree) -> Native:
+    """Decode's commit path aborts on a page-ownership verdict, and both allocators' free paths tell the ledger
+    behind it that pages came back (the backport series' ``pd_page_tags``)."""
+    commit = tree.function(*COMMIT)
+    if commit is None:
+        return Native(UNKNOWN, "DecodeTransferQueue._commit_transfer_to_req not found")
+    check = next((hit for ref in tree.reachable(commit, depth=1)
+                  if (hit := aborting_if(ref, _OWNERSHIP_RE)) is not None), None)
+    if check is None:
+        return Native(NO, "decode commits without checking whose pages the request reads", [commit.where])
+    evidence = [line_of(commit, check)]
+    frees = [tree.function(*target) for target in ALLOCATOR_FREES]
+    silent = [ref.where for ref in frees if ref is not None
+              and not any(_LEDGER_CALL_RE.search(call_name(c)) for c in calls(ref.node))]
+    if silent or all(ref is None for ref in frees):
+        return Native(PARTIAL, "the ownership ledger is not told of freed pages", evidence + silent)
+    return Native(YES, "decode checks page ownership before commit", evidence)

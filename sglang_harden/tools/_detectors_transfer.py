@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from sglang_harden.compat.internals import NOTE_ABORT_ACK
+from sglang_harden.compat.internals import COMMIT, NOTE_ABORT_ACK
 from sglang_harden.tools._detect_base import (
     CONN,
     DECODE,
@@ -18,8 +18,10 @@ from sglang_harden.tools._detect_base import (
     UNKNOWN,
     YES,
     Native,
+    aborting_if,
     backend_modules,
     env_default,
+    line_of,
     sender_classes,
     server_arg_default,
     unique_refs,
@@ -55,7 +57,16 @@ def _deferred_backends(tree: SourceTree) -> list[str]:
     return out
 
 
+_CANARY_RE = re.compile(r"canary", re.I)
+
+
 def detect_kv_canary(tree: SourceTree) -> Native:
+    commit = tree.function(*COMMIT)
+    patched = next((hit for ref in tree.reachable(commit, depth=1) if (hit := aborting_if(ref, _CANARY_RE))),
+                   None) if commit is not None else None
+    if commit is not None and patched is not None:
+        return Native(YES, "decode checks its canary stamps before commit (backport)", [line_of(commit, patched)],
+                      switch="SGLANG_HARDEN_CANARY", default="enforce")
     found, default = server_arg_default(tree, "kv_canary")
     kernel = any(tree.exists(module) for module in KV_CANARY_MODULES)
     if not found or not kernel:

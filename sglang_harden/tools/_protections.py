@@ -12,13 +12,18 @@ a PR's wording, so a backported or locally patched tree is recognised. What each
   (``continue``/``return``), or ``send_kv_chunk`` itself starts with one.
 - ``coverage_check``: ``DecodeTransferQueue._commit_transfer_to_req`` or ``pop_transferred`` (or a helper
   they call) has an ``if`` comparing a transferred/sent length and aborting (or raising) on mismatch.
+- ``page_ownership``: ``_commit_transfer_to_req`` (or a helper it calls) has an ``if`` on a page-ownership
+  verdict (names with page_tag / page_owner / ownership) that aborts, and the token and paged allocators' free
+  paths tell that ledger of freed pages (partial when they do not). No SGLang release has it; the backport
+  series' ``page-ownership-tags`` patch does.
 - ``kv_checksum``: decode has a ``*checksum*`` function that compares two computed values and handles a
   mismatch, and prefill publishes one; server arg ``disaggregation_enable_kv_checksum`` gives the default.
 - ``deferred_release``: decode reads ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` and has a
   ``*defer*`` release path; ``environ.py`` gives the default; backends = transfer ``conn.py`` modules that
   honour it (that set ``supports_deferred_decode_kv_release = True`` where the base class gates on it).
 - ``kv_canary``: a ``kv_canary`` server-arg field and the ``kv_canary`` kernel package; default from the
-  field.
+  field. Or the backport series' canary: decode's commit path has an ``if`` on a canary verdict that
+  aborts (``pd_canary.refusal_at_commit``), on by default.
 - ``abort_ack``: prefill sends ``ABORT_ACK``; deferred until drained if ``register_deferred_ack_target``
   exists; the KV sender's ``clear()`` either drops the pending target unconditionally (0.5.19/0.5.20) or
   keeps it until the writes drain (calls a ``*drain*`` helper); generation-tagged if ``note_abort_ack``
@@ -62,6 +67,7 @@ from sglang_harden.tools._detectors_request import (
     detect_coverage_check,
     detect_door_rejection,
     detect_kv_checksum,
+    detect_page_ownership,
 )
 from sglang_harden.tools._detectors_transfer import (
     detect_abort_ack,
@@ -84,6 +90,7 @@ PROTECTIONS: tuple[Protection, ...] = (
     Protection("abort_retirement", "retire aborted prefill results", "retire"),
     Protection("coverage_check", "transferred-length check on decode commit", "coverage"),
     Protection("kv_checksum", "per-transfer KV checksum", "checksum"),
+    Protection("page_ownership", "page ownership check on decode commit", "page_tags"),
     Protection("deferred_release", "deferred decode KV release", "lifecycle"),
     Protection("kv_canary", "kv canary", "canary"),
     Protection("abort_ack", "abort acknowledgement", "lifecycle"),
@@ -98,6 +105,7 @@ DETECTORS: dict[str, Callable[[SourceTree], Native]] = {
     "abort_retirement": detect_abort_retirement,
     "coverage_check": detect_coverage_check,
     "kv_checksum": detect_kv_checksum,
+    "page_ownership": detect_page_ownership,
     "deferred_release": detect_deferred_release,
     "kv_canary": detect_kv_canary,
     "abort_ack": detect_abort_ack,

@@ -131,8 +131,30 @@ def judge_guard(tree: Any, guard: str, hooks: list[Hook]) -> GuardVerdict:
     return GuardVerdict(NEEDS_PATCH, backends, core + mooncake)
 
 
+# A family's hooks resolving is not enough where the family was written against a different generation of SGLang's
+# request handling: the 0.4.9 adapter's hooks resolve on 0.5.5-0.5.18, but on 0.5.18 its coverage read 0 tokens for
+# every transfer and its abort path called a moved method (measured). It fits releases that record a pending abort in
+# ``finished_reason`` (``to_finish`` came with 0.5.4.post2, together with those changes).
+V049_MISMATCH = ("the sglang_v049 adapter was written for releases that record a pending abort in finished_reason; "
+                 "this one uses to_finish (its metadata and streaming differ too)")
+
+
+def family_mismatch(tree: Any, name: str) -> str | None:
+    """Why family ``name`` does not fit the release at all, whatever its hooks resolve to; None: it may."""
+    from sglang_harden.tools._detect_base import abort_fields
+
+    if name == "sglang_v049" and "to_finish" in abort_fields(tree):
+        return V049_MISMATCH
+    return None
+
+
 def judge_family(tree: Any, name: str) -> tuple[dict[str, GuardVerdict], dict[str, bool]]:
     required, optional = family_hooks(name)
+    mismatch = family_mismatch(tree, name)
+    if mismatch is not None:
+        owners = [owner for owner in OWNERS if any(h.owner == owner for h in required)]
+        return {owner: GuardVerdict(NEEDS_PATCH, missing=[mismatch]) for owner in owners}, {
+            f"{h.owner}: {h.target}": False for h in optional}
     verdicts = {owner: judge_guard(tree, owner, required) for owner in OWNERS if any(h.owner == owner
                                                                                        for h in required)}
     found = {f"{h.owner}: {h.target}": hook_problem(tree, h) is None for h in optional}

@@ -32,6 +32,8 @@ PATCH_GUARDS = {  # a backport patch's name (after its number) -> the guard it g
     "notify-decode-of-prefill-rejections": "abort_notify",
     "capacity-gate": "capacity",
     "authenticate-control-plane": "bootstrap_auth",
+    "page-ownership-tags": "page_tags",
+    "kv-canary": "canary",
 }
 # Guards upstream SGLang has itself (on by default) from a release on: (doctor's protection key, first release).
 # tests/integration/test_doctor_wheels.py checks each supported pin's code agrees.
@@ -75,8 +77,12 @@ def load(results_dir: Path) -> dict[Key, str]:
 
 
 def plugin_guards(pin: str) -> set[str]:
-    """The guards the plugin's adapter for ``pin`` hooks (and the start-up capacity gate, which every one has)."""
+    """The guards the plugin's adapter for ``pin`` hooks (and the start-up capacity gate, which every one has); none
+    for a release the plugin refuses (one with a patch series only)."""
     import importlib
+
+    if pin not in SUPPORTED_PINS:
+        return set()
 
     family = importlib.import_module(f"sglang_harden.compat.{SUPPORTED_PINS[pin]}")
     return ({hook.owner for hook in family.HOOKS} & set(GUARDS)) | {"capacity"}
@@ -94,10 +100,11 @@ def patch_guards(pin: str, patches_dir: Path) -> set[str]:
 
 
 def render(cells: dict[Key, str], patches_dir: Path) -> str:
-    """The matrix as Markdown: a row per supported pin, a cell per guard, ``plugin / patch`` in each."""
+    """The matrix as Markdown: a row per supported pin and per release with a patch series, a cell per guard,
+    ``plugin / patch`` in each."""
     header = ["pin", *COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for pin in sorted(SUPPORTED_PINS, key=release_key):
+    for pin in matrix_pins(patches_dir):
         static = {"plugin": plugin_guards(pin), "patch": patch_guards(pin, patches_dir)}
         row = [pin]
         for guard in COLUMNS:
@@ -105,6 +112,13 @@ def render(cells: dict[Key, str], patches_dir: Path) -> str:
                                   for path in PATHS))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def matrix_pins(patches_dir: Path) -> list[str]:
+    """The plugin's supported pins and the releases with a backport series, oldest first."""
+    from sglang_harden.tools.patch import available_pins
+
+    return sorted(set(SUPPORTED_PINS) | set(available_pins(patches_dir)), key=release_key)
 
 
 def upstream_has(pin: str, guard: str) -> bool:
@@ -128,7 +142,8 @@ def document(cells: dict[Key, str], patches_dir: Path, results_label: str) -> st
         "test proving the guard on that path passed on that pin (real prefill and decode servers on CPU), **FAILED**",
         "one failed, **static** the path has the guard (the plugin's adapter hooks it, or the pin's series has a",
         "patch for it) but no e2e result is here, **upstream** no patch is needed (SGLang has it itself), **-** the",
-        "path does not give it. The patch path is a patched tree with the plugin uninstalled.",
+        "path does not give it (a release with a patch series only: the plugin refuses to start on it). The patch",
+        "path is a patched tree with the plugin uninstalled.",
         "",
         f"Pins with results: {', '.join(run) if run else 'none'}.",
         "",

@@ -32,6 +32,7 @@ import pytest
 
 from sglang_harden.compat.backends import BACKEND_MODULES
 from sglang_harden.compat.backends.common import DROPPING_BRANCH
+from sglang_harden.compat.pins import SUPPORTED_PINS
 from sglang_harden.testbed.client import PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
 from sglang_harden.testbed.envs import load_pins
@@ -52,6 +53,7 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 from sglang_harden.tools._source import SourceTree
 from sglang_harden.tools._wheels import release_tree
 from sglang_harden.tools.audit import parse_guard_counters
+from sglang_harden.tools.matrix import plugin_guards
 
 pytestmark = pytest.mark.e2e
 
@@ -207,6 +209,18 @@ def _decode_generated_for(pair: PDPair, rid: str) -> bool:
     return first_decode_event(trace, rid) is not None
 
 
+def _require_guard(pin: str, guard: str) -> None:
+    """Skip where the plugin's adapter for ``pin`` has no hooks for ``guard`` (docs/support.md, README's matrix)."""
+    if guard not in plugin_guards(pin):
+        pytest.skip(f"{pin}: the plugin's {SUPPORTED_PINS[pin]} adapter has no {guard} hooks")
+
+
+def _require_front_answers(pin: str) -> None:
+    """Skip where the HTTP fronts do not answer refusals themselves: the 0.4.9 adapter's pins (README, Limits)."""
+    if SUPPORTED_PINS[pin] == "sglang_v049":
+        pytest.skip(f"{pin}: the HTTP fronts answer refusals themselves with the 0.5 adapter only (README, Limits)")
+
+
 @pytest.mark.proves("plugin", "admission")
 def test_oversized_prompt_rejected_at_both_doors_direct(pairs: PairFactory, pin: str) -> None:
     pair = pairs("hardened")
@@ -261,6 +275,7 @@ def test_refusal_reaches_a_decode_whose_pool_is_busy(pairs: PairFactory, pin: st
     every entry there has finished its handshake, so a refusal marked on B's receiver is seen only when
     something else arrives or frees memory. Hardened decode must answer B 400 within the bound while the holder
     still waits; the holder's prefill half is sent only after B is answered, and then completes normally."""
+    _require_front_answers(pin)
     pair = pairs("hardened")
     assert pair.prefill.bootstrap_port is not None
     room = 7_700_000_000 + int(time.time()) % 1_000_000
@@ -285,6 +300,7 @@ def test_refusal_answered_while_decode_scheduler_is_stalled(pairs: PairFactory, 
     """Decode's scheduler is stuck in one long loop (a saturated host: seconds per loop), so it neither takes B
     in nor answers it. Decode's HTTP front watches prefill's abort board itself and answers B with prefill's 400
     long before the scheduler wakes; the scheduler then frees B's pages on the same notice."""
+    _require_front_answers(pin)
     pair = pairs("hardened")
     (pair.log_dir / STALL_TRIGGER).touch()
     time.sleep(0.5)  # the scheduler's loop takes the trigger and stalls
@@ -302,6 +318,7 @@ def test_refusal_answered_while_prefill_scheduler_is_stalled(pairs: PairFactory,
     """Prefill's scheduler is stuck in one long loop (a saturated host; the soak saw a refusal wait 3 s for it).
     Prefill's HTTP front refuses the oversized prompt itself, with the scheduler's own check and message, and
     decode's front answers its half from prefill's abort board: both long before the scheduler wakes."""
+    _require_front_answers(pin)
     pair = pairs("hardened")
     trigger = pair.log_dir / PREFILL_STALL_TRIGGER
     trigger.touch()
@@ -329,6 +346,7 @@ def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFacto
     behind A for the same decode session, is failed without a byte of it written. Decode must quarantine A's pages
     and free C's at once: quarantining every room a failed session takes down held 59 pages at once in a 0.5.19
     soak (7.7 % of a decode pool, bound 2 %)."""
+    _require_guard(pin, "lifecycle")
     pair = pairs("hardened")
     assert pair.prefill.bootstrap_port is not None
     late: dict[str, PairResult] = {}
@@ -470,6 +488,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
     flight (direct, on a room we chose, and through sglang-router), a caller without the secret gets 401 on every
     control route; the victim completes with exactly its reference output. A valid signed request replayed is
     refused. Every refusal is a decision line on prefill (its bootstrap server runs in the HTTP process)."""
+    _require_guard(pin, "bootstrap_auth")
     import threading
 
     from sglang_harden.guards.bootstrap_auth import HEADER, parse_secrets, sign
@@ -520,6 +539,7 @@ def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) 
     Each process re-reads its file within a second, and a node's processes (its scheduler signs, its HTTP
     process checks) re-read at different moments. So a step may start signing with a secret only once every
     checker accepts it. The first CI run skipped the "second everywhere" step on prefill and lost a request."""
+    _require_guard(pin, "bootstrap_auth")
     import secrets
     import threading
 
@@ -614,7 +634,7 @@ def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: s
     assert state.get("available_tokens", 0) + state.get("evictable_tokens", 0) == state["max_total_num_tokens"], state
 
 
-ABORT_AS_200_PINS = ("0.4.9.post6",)
+ABORT_AS_200_PINS = ("0.4.9.post6", "0.4.10.post2")
 
 
 def _assert_decode_refused(result: Any, message: str, pin: str) -> None:

@@ -1,4 +1,5 @@
-"""Guards on a real SGLang 0.4.9.post6 PD pair (tiny model, Mooncake TCP, loopback), vanilla vs hardened.
+"""Guards on a real SGLang PD pair of the 0.4.9 adapter family (0.4.9.post6, 0.4.10.post2; tiny model, Mooncake
+TCP, loopback), vanilla vs hardened.
 
 Each variant starts its own pair once per module, runs its requests, reads both pools, and stops the pair
 before any test looks at the result (the pair is stopped also when a request or a start fails):
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from sglang_harden.compat.pins import SUPPORTED_PINS
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.incident import first_decode_event, tenant_a_prompt, tenant_b_prompt
 from sglang_harden.testbed.pd_topology import PDPair
@@ -28,7 +30,8 @@ from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 pytestmark = pytest.mark.e2e
 
-PIN = "0.4.9.post6"
+# the supported pins the 0.4.9 adapter serves; CI builds neither (its pins are 0.5.19 and 0.5.23)
+V049_PINS = [pin for pin, family in SUPPORTED_PINS.items() if family == "sglang_v049"]
 TOO_LONG = "Input length (300 tokens) exceeds the maximum allowed length (250 tokens)"
 A_SEEDS = (100, 1, 2)  # the first round is the warm-up
 NORMALS = ((7, 40), (8, 120), (9, 230))  # (seed, prompt length)
@@ -45,13 +48,13 @@ def _progress(msg: str) -> None:
     print(f"[guards-v049] {msg}", file=sys.stderr, flush=True)
 
 
-def _start(variant: str, log_dir: Path) -> PDPair:
+def _start(pin: str, variant: str, log_dir: Path) -> PDPair:
     hardened = variant.startswith("hardened")
     env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30", **CPU_ENV}
     if hardened:
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
     prefill_flags = (*COMMON_FLAGS, *PREFILL_FLAGS.get(variant, ()))
-    pair = PDPair(PIN, prefill_max_total_tokens=256, decode_max_total_tokens=400, context_length=512,
+    pair = PDPair(pin, prefill_max_total_tokens=256, decode_max_total_tokens=400, context_length=512,
                   num_reserved_decode_tokens=32, prefill_flags=prefill_flags, decode_flags=COMMON_FLAGS, env=env,
                   decode_env={"SGLANG_HARDEN_TESTBED_KVTRACE_DIR": str(log_dir / "kvtrace")},
                   launcher_module=HARDENED_LAUNCHER if hardened else VANILLA_LAUNCHER, log_dir=log_dir,
@@ -73,10 +76,10 @@ def _pool(pair: PDPair) -> dict[str, Any]:
     return out
 
 
-def _run(variant: str, log_dir: Path) -> dict[str, Any]:
+def _run(pin: str, variant: str, log_dir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     _progress(f"{variant}: starting the pair (logs {log_dir})")
-    pair = _start(variant, log_dir)
+    pair = _start(pin, variant, log_dir)
     result: dict[str, Any] = {"startup_s": round(time.monotonic() - t0, 1), "rounds": [], "normals": []}
     try:
         for i, seed in enumerate(A_SEEDS):
@@ -95,14 +98,20 @@ def _run(variant: str, log_dir: Path) -> dict[str, Any]:
     return result
 
 
+@pytest.fixture(scope="module", params=V049_PINS)
+def pin(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def run(require_pin: Callable[[str], None], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+def run(pin: str, require_pin: Callable[[str], None],
+        tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
     cache: dict[str, dict[str, Any]] = {}
 
     def get(variant: str) -> dict[str, Any]:
-        require_pin(PIN)
+        require_pin(pin)
         if variant not in cache:
-            cache[variant] = _run(variant, tmp_path_factory.mktemp(variant))
+            cache[variant] = _run(pin, variant, tmp_path_factory.mktemp(f"{pin}-{variant}"))
         return cache[variant]
 
     return get
@@ -128,10 +137,10 @@ def test_hardened_rejects_b_with_the_original_error_on_both_halves(run: Any) -> 
         assert b["first_decode"] is None, "decode ran a step for B"
 
 
-def test_hardened_guards_armed_in_both_schedulers(run: Any) -> None:
+def test_hardened_guards_armed_in_both_schedulers(run: Any, pin: str) -> None:
     logs = run("hardened")["logs"]
     for role in ("prefill", "decode"):
-        assert f"sglang-harden active: pin={PIN} family=sglang-0.4.9 role=scheduler/{role}" in logs[role]
+        assert f"sglang-harden active: pin={pin} family=sglang-0.4.9 role=scheduler/{role}" in logs[role]
     assert '"guard": "admission"' in logs["prefill"] and '"guard": "abort_notify"' in logs["decode"]
 
 

@@ -101,12 +101,12 @@ def test_upstream_rejects_at_prefill_but_decode_holds(incident: Any, pin: str) -
 @pytest.mark.parametrize("pin", list(RECIPES))
 def test_front_door_refusal_leaves_decode_holding(incident: Any, pin: str) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context; decode, holding a reservation for the
-    request, hears nothing and waits out its timeout (every vanilla pin; 0.4.9.post6 then even answers 200,
-    generating over pages nobody wrote). Hardened: test_guards_e2e."""
+    request, hears nothing and waits out its timeout (every vanilla pin; the 0.4.x pins then even answer 200,
+    measured on 0.4.9.post6 and 0.4.10.post2). Hardened: test_guards_e2e."""
     door = incident(pin)["front_door"]
     assert door["prefill"]["status"] == 400 and "context length" in (door["prefill_error"] or ""), door
     assert door["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, door
-    if pin != "0.4.9.post6":
+    if not pin.startswith("0.4."):
         assert door["decode_status"] != 200 and not door["decode_generated"], door
 
 

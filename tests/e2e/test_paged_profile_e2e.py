@@ -46,6 +46,7 @@ from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     IncidentSetup,
     RoundResult,
+    assert_table_fault_read_by_vanilla,
     front_door_round,
     read_kvtrace,
     run_round,
@@ -239,14 +240,7 @@ def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags
     the transfer wrote, which are intact; the digest, which reads the page table too, would catch it first in
     ``enforce`` and is in ``log`` mode on this pair.)"""
     vanilla, hardened = runs["vanilla"], runs["hardened"]
-    for run in (vanilla, hardened):
-        assert len(run["table_fault"]) == 1, run["table_fault"]  # the fault really was applied, once
-        fault = run["table_fault"][0]
-        assert fault["page_now"] != fault["page_was"], fault
-    read = vanilla["table_first_decode"]
-    assert vanilla["table"].decode.status == 200 and read is not None, vanilla["table"].decode.summary()
-    assert vanilla["table_fault"][0]["page_now"] in read["pages"], (read, vanilla["table_fault"])
-    assert read["foreign_total"] > 0, read
+    assert_table_fault_read_by_vanilla(vanilla, hardened)
     h = hardened["table"].decode
     assert h.status == 500 and not h.output_ids, h.summary()
     assert "page ownership check failed" in h.error_message(), h.summary()

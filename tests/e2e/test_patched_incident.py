@@ -33,14 +33,19 @@ from typing import Any
 
 import pytest
 
+from sglang_harden.testbed.client import PairResult, greedy_body
+from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     KVTRACE_ENV,
     WAITING_TIMEOUT_ENV,
     IncidentSetup,
     RoundResult,
     assert_b_refused_at_both_doors,
+    assert_table_fault_read_by_vanilla,
     front_door_round,
+    read_kvtrace,
     run_round,
+    tenant_a_prompt,
 )
 from sglang_harden.testbed.memo import run_once
 from sglang_harden.testbed.patched import patched_env, patched_tree
@@ -51,12 +56,22 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.19", "0.5.22", "0.5.23"]  # CI runs the pins it builds (0.5.19, 0.5.23); 0.5.22: --pins 0.5.22
+PINS = ["0.5.18", "0.5.19", "0.5.22", "0.5.23"]  # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins
+BACKENDS = ["mooncake", "nixl"]
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_S = 5.0
 STARTUP_TIMEOUT_S = 1800.0  # server starts take many minutes on a shared 2-core machine
+# Last request of the vanilla and the patched pair (it leaves decode's pool inconsistent): the test-only kvfault
+# shim points one prompt page of the request in this room at a page in the allocator's free list before the
+# commit (``table`` fault; sglang_harden.testbed.shims.sglang_harden_kvfault), a mis-owned page.
+TABLE_ROOM = 991_000_001
+# ... and before it, a KV send of exactly UNWRITTEN_LEN pages (page size 1 here: only the UNWRITTEN_LEN-token request
+# below makes one) leaves out its last page and still reports success (``unwritten`` fault, prefill side): decode's
+# last reserved page keeps what it held, the incident's stale page.
+UNWRITTEN_LEN = 37
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"table:{TABLE_ROOM},unwritten:{UNWRITTEN_LEN}"}
 _runs: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -72,11 +87,12 @@ def _secret_file(log_dir: Path) -> Path:
 
 
 def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, Any]:
-    env = {"SGLANG_HARDEN_ACTIVATE": "0"}
+    faulty = variant in ("vanilla", "patched", "patched-nixl")
+    env = {"SGLANG_HARDEN_ACTIVATE": "0", **(FAULT_ENV if faulty else {})}
     prefill_flags = ["--allow-auto-truncate"] if variant == "patched-truncate" else []
     if tree is not None:
         env.update({**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "log"})
-    if variant == "patched":  # the series' control-plane authentication on, with a secret of this pair's own
+    if variant in ("patched", "patched-nixl"):  # the series' control-plane authentication, a secret of its own
         env[SECRET_FILE_ENV] = str(_secret_file(log_dir))
     elif variant == "patched-truncate":  # no secret (the testbed gives one to every server unless told otherwise)
         env[SECRET_FILE_ENV] = ""
@@ -88,6 +104,7 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
         env={WAITING_TIMEOUT_ENV: str(SETUP.waiting_timeout_s), **env},
         decode_env={KVTRACE_ENV: str(log_dir / "kvtrace")}, prefill_flags=prefill_flags, log_dir=log_dir,
         startup_timeout=STARTUP_TIMEOUT_S, progress=True,
+        transfer_backend="nixl" if variant.endswith("-nixl") else "mooncake",
     ).start()
     rounds: list[RoundResult] = []
     try:
@@ -98,11 +115,34 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
             _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
                       f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
         front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant == "patched" else None
-        logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
         tools = _operator_tools(pair) if variant == "vanilla" else {}
+        unwritten = _unwritten_page(pair) if faulty else None
+        table = _mis_owned_page(pair) if faulty else None
+        logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
     finally:
         pair.stop()
-    return {"rounds": rounds, "logs": logs, "tools": tools, "attacks": attacks, "front_door": front_door}
+    return {"rounds": rounds, "logs": logs, "tools": tools, "attacks": attacks, "front_door": front_door,
+            "table": table, "unwritten": unwritten, **_table_evidence(log_dir / "kvtrace")}
+
+
+def _unwritten_page(pair: PDPair) -> PairResult:
+    return pair.generate(greedy_body(tenant_a_prompt(9, UNWRITTEN_LEN), 8, rid="unwritten-page"),
+                         timeout=SETUP.waiting_timeout_s + 120)
+
+
+def _mis_owned_page(pair: PDPair) -> PairResult:
+    return pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
+                         timeout=SETUP.waiting_timeout_s + 120)
+
+
+def _table_evidence(trace_dir: Path) -> dict[str, Any]:
+    """The fault the shim applied (so a pass is not a fault that never happened) and the table-fault request's
+    first decode step as the KV tracer saw it (None: decode never ran one)."""
+    faults = [json.loads(line) for path in sorted(trace_dir.glob("kvfault-*.jsonl"))
+              for line in path.read_text().splitlines() if line.strip()]
+    first = next((e for e in read_kvtrace(trace_dir) if e.get("event") == "first_decode"
+                  and e.get("rid") == "table-fault"), None)
+    return {"table_fault": [f for f in faults if f.get("event") == "table_fault"], "table_first_decode": first}
 
 
 def _attack(pair: PDPair) -> list[tuple[str, int]]:
@@ -158,6 +198,9 @@ def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     def get(pin: str, variant: str) -> dict[str, Any]:
         require_pin(pin)
+        backend = variant.rsplit("-", 1)[1] if variant.endswith("-nixl") else "mooncake"
+        if backend not in load_pins()[pin].transfer_backends:
+            pytest.skip(f"{backend} is not in the {pin} testbed (its recipe's transfer_backends)")
         return run_once(_runs, (pin, variant), lambda: make(pin, variant))
 
     return get
@@ -250,9 +293,9 @@ def test_audit_flags_asymmetric_pools(incident: Any, pin: str) -> None:
 
 @pytest.mark.parametrize("pin", PINS)
 def test_probe_fails_on_vanilla_leaking_pair(incident: Any, pin: str) -> None:
-    if pin != "0.5.19":
+    if load_pins()[pin].incident != "leak":
         pytest.skip(f"vanilla {pin} refuses B at prefill (0.5.20+), so its pair does not leak here and probe passes "
-                    "(measured on 0.5.22); the leaking vanilla pair is 0.5.19's")
+                    "(measured on 0.5.22); the leaking vanilla pairs are 0.5.18's and 0.5.19's")
     code, data = _tool(incident, pin, "probe")
     assert code == 1, data
     probes = probe_results(data)
@@ -264,3 +307,52 @@ def test_probe_fails_on_vanilla_leaking_pair(incident: Any, pin: str) -> None:
     assert cross["verdict"] == "FAIL", cross
     assert any("different greedy outputs" in e or "4-gram" in e for e in cross["evidence"])
     assert probes["echo_canary"]["verdict"] == "not applicable"  # a tiny random model repeats nothing
+
+
+def _patched_variant(backend: str) -> str:
+    return "patched" if backend == "mooncake" else f"patched-{backend}"
+
+
+@pytest.mark.proves("patch", "page_tags")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_page_tags_refuse_a_mis_owned_page(incident: Any, pin: str, backend: str) -> None:
+    """SGLang's own page table points one prompt page of the request at a page in the allocator's free list, after
+    the transfer wrote the right one. Vanilla decodes over it (the KV tracer sees rows another request left
+    there); the patched decode's page-tag check finds a page the request does not own and aborts it with 500
+    before the first decode step, over Mooncake and NIXL (the check sits at decode's commit, the ledger learns
+    the pages where the prealloc queue hands them to any backend)."""
+    vanilla, patched = incident(pin, "vanilla"), incident(pin, _patched_variant(backend))
+    assert_table_fault_read_by_vanilla(vanilla, patched)
+    p = patched["table"].decode
+    assert p.status == 500 and not p.output_ids, p.summary()
+    assert "page ownership check failed" in p.error_message() and "owned by None" in p.error_message(), p.summary()
+    assert patched["table_first_decode"] is None, patched["table_first_decode"]
+    assert "sglang-harden page_tags: ledger over" in patched["logs"]["decode"]
+    assert "sglang-harden page_tags abort: rid=table-fault" in patched["logs"]["decode"]
+
+
+@pytest.mark.proves("patch", "canary")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_canary_refuses_an_unwritten_page(incident: Any, pin: str, backend: str) -> None:
+    """Prefill's send leaves out the request's last page and reports success (so the coverage count and the page
+    tags are satisfied). Vanilla decodes over the page's old content; the patched decode's canary finds the page
+    still stamped and aborts the request with 500 before its first decode step."""
+    vanilla, patched = incident(pin, "vanilla")["unwritten"], incident(pin, _patched_variant(backend))
+    assert vanilla.decode.status == 200 and vanilla.decode.output_ids, vanilla.decode.summary()
+    p = patched["unwritten"].decode
+    assert p.status == 500 and not p.output_ids, p.summary()
+    assert "canary check failed" in p.error_message() and "never written" in p.error_message(), p.summary()
+    assert "sglang-harden canary abort: rid=unwritten-page" in patched["logs"]["decode"]
+
+
+@pytest.mark.proves("patch", "admission")
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_nixl_pair_refuses_b_and_serves_a(incident: Any, pin: str) -> None:
+    """The same series over NIXL: every B refused by prefill and decode, A answered exactly as by vanilla (Mooncake)
+    — the page ledger's bookkeeping lets every clean request through."""
+    vanilla, nixl = incident(pin, "vanilla")["rounds"], incident(pin, "patched-nixl")["rounds"]
+    for v, n in zip(vanilla, nixl, strict=True):
+        assert_b_refused_at_both_doors(n, PROMPT_S)
+        assert n.a.decode.ok and n.a.decode.output_ids == v.a.decode.output_ids, (n.a.decode.summary(), v.index)

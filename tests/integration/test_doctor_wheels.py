@@ -24,6 +24,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "abort_retirement": P.NO,
         "coverage_check": P.NO,
         "kv_checksum": P.NO,
+        "page_ownership": P.NO,
         "deferred_release": P.OPT_IN,
         "kv_canary": P.OPT_IN,
         "abort_ack": P.PARTIAL,
@@ -36,6 +37,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "abort_retirement": P.YES,
         "coverage_check": P.NO,
         "kv_checksum": P.NO,
+        "page_ownership": P.NO,
         "deferred_release": P.OPT_IN,
         "kv_canary": P.OPT_IN,
         "abort_ack": P.PARTIAL,
@@ -48,6 +50,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "abort_retirement": P.YES,
         "coverage_check": P.NO,
         "kv_checksum": P.OPT_IN,
+        "page_ownership": P.NO,
         "deferred_release": P.YES,
         "kv_canary": P.OPT_IN,
         "abort_ack": P.YES,
@@ -60,6 +63,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "abort_retirement": P.YES,
         "coverage_check": P.NO,
         "kv_checksum": P.OPT_IN,
+        "page_ownership": P.NO,
         "deferred_release": P.YES,
         "kv_canary": P.OPT_IN,
         "abort_ack": P.YES,
@@ -169,10 +173,10 @@ def test_the_matrix_upstream_cells_match_the_code(pin: str) -> None:
         assert (natives[key].status == P.YES) == matrix.upstream_has(pin, guard), (pin, guard)
 
 
-@pytest.mark.parametrize("pin", [*sorted(SUPPORTED_PINS), "0.4.10.post2"])
+@pytest.mark.parametrize("pin", [*sorted(SUPPORTED_PINS), "0.4.10.post1"])
 def test_the_plugin_chooses_its_adapter_by_the_release_code(pin: str) -> None:
     """The family an unknown release gets under the override is the one whose hooks resolve on its code: each
-    supported pin's own, and the 0.4.9 one for 0.4.10.post2 (the nearest version string would say 0.5)."""
+    supported pin's own, and the 0.4.9 one for 0.4.10.post1 (the nearest version string would say 0.5)."""
     from sglang_harden.tools.compat_sweep import choose_family
 
     fitting, family, missing = choose_family(SourceTree(sglang_tree(pin)))
@@ -191,3 +195,18 @@ def test_dropped_ack_probe_matches_each_release(pin: str) -> None:
     for backend, module in BACKEND_MODULES.items():
         drops = DROPPING_BRANCH in tree.text(module)
         assert drops == (pin in DROPS_ACK_RELEASES[backend]), (pin, backend, drops)
+
+
+@pytest.mark.parametrize("pin", ["0.5.5", "0.5.18"])
+def test_the_049_adapter_is_never_chosen_where_sglang_records_aborts_in_to_finish(pin: str) -> None:
+    """Its hooks all resolve on 0.5.5-0.5.18, but it was written for releases that record a pending abort in
+    ``finished_reason``: on 0.5.18 its coverage read 0 tokens for every transfer and its abort path called a moved
+    method (measured with tests/e2e/test_guards_v049.py). The sweep must not offer it there, nor the override take
+    it; the release gets the family with the fewest gaps and no fitting one."""
+    from sglang_harden.tools.compat_sweep import V049_MISMATCH, choose_family, judge_family
+
+    tree = SourceTree(sglang_tree(pin))
+    verdicts, _ = judge_family(tree, "sglang_v049")
+    assert verdicts and all(v.missing == [V049_MISMATCH] for v in verdicts.values()), verdicts
+    fitting, _family, missing = choose_family(tree)
+    assert fitting is None and missing

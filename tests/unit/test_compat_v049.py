@@ -196,3 +196,36 @@ def test_table_covers_every_guard_of_the_family() -> None:
     owners = {h.owner for h in v049.HOOKS}
     assert owners == {"admission", "retire", "coverage", "abort_notify", "startup"}
     assert set(v049.ROLES_BY_OWNER) == owners
+
+
+def test_pending_rejection_reads_either_field_the_family_writes() -> None:
+    """0.4.9 records SGLang's own rejection in ``finished_reason``; 0.5.18, also served by this family, in
+    ``to_finish`` (a reader of one field alone would let 0.5.18's stubbed requests through both doors)."""
+    old, new = types.SimpleNamespace(), types.SimpleNamespace()
+    old.finished_reason = FINISH_ABORT("too long (0.4.9)", 400)
+    new.to_finish, new.finished_reason = FINISH_ABORT("too long (0.5.18)", 400), None
+    assert v049.pending_rejection(old).message == "too long (0.4.9)"
+    assert v049.pending_rejection(new).message == "too long (0.5.18)"
+    assert v049.pending_rejection(types.SimpleNamespace(to_finish=None, finished_reason=None)) is None
+
+
+def test_abort_streams_through_whichever_streamer_the_release_has() -> None:
+    """0.4.9's scheduler streams itself; 0.5.x moved ``stream_output`` onto ``scheduler.output_streamer`` (calling the
+    old name there raised AttributeError, so a guard's refusal never reached the client). An abort still pending in
+    ``to_finish`` is replaced by ours."""
+    streamed: list[tuple[str, Any]] = []
+    old = types.SimpleNamespace(stream_output=lambda reqs, lp: streamed.append(("scheduler", reqs[0].rid)))
+    new = types.SimpleNamespace(output_streamer=types.SimpleNamespace(
+        stream_output=lambda reqs, lp: streamed.append(("output_streamer", reqs[0].rid))))
+    first, second = Req("r1", [1, 2]), Req("r2", [1, 2])
+    second.to_finish = FINISH_ABORT("pending", 400)  # type: ignore[attr-defined]
+    v049._abort_and_stream(old, first, "refused", 400)
+    v049._abort_and_stream(new, second, "refused", 400)
+    assert streamed == [("scheduler", "r1"), ("output_streamer", "r2")]
+    assert second.to_finish is None  # type: ignore[attr-defined]
+
+
+def test_is_aborted_sees_a_pending_abort_in_either_place() -> None:
+    assert v049.is_aborted(types.SimpleNamespace(to_abort=True))
+    assert v049.is_aborted(types.SimpleNamespace(to_finish=FINISH_ABORT("x")))
+    assert not v049.is_aborted(types.SimpleNamespace(to_abort=False, to_finish=None))

@@ -25,7 +25,7 @@ EXPECTED_BASES = {
     "MoriKVBootstrapServer": "CommonKVBootstrapServer",
 }
 HOOKED = {"MoriKVReceiver": ("__init__",), "MoriKVBootstrapServer": ("_setup_routes",), "MoriKVSender": ("abort",)}
-MORI_PINS = [p for p in SUPPORTED_PINS if p.startswith("0.5.")]
+MORI_PINS = [p for p, family in SUPPORTED_PINS.items() if family == "sglang_v05"]  # 0.4.9 adapter: no MORI
 
 
 def _mori_source(pin: str) -> str:

@@ -67,6 +67,30 @@ def make_tree(pin: str, dest: Path) -> Path:
     return copy_series_files(pin, _pristine(pin), dest)
 
 
+def patched_trees(factory: pytest.TempPathFactory, pins: tuple[str, ...]) -> dict[str, Path]:
+    """Minimal trees of ``pins`` with their series applied (for tests that import a module the series adds)."""
+    trees = {}
+    for pin in pins:
+        tree = make_tree(pin, factory.mktemp(pin))
+        P.apply_series(tree, pin)
+        trees[pin] = tree
+    return trees
+
+
+def load_series_module(path: Path, mode_env: str, mode: str | None, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A module the series adds, imported from its file with ``mode_env`` set to ``mode`` (None: unset)."""
+    if mode is None:
+        monkeypatch.delenv(mode_env, raising=False)
+    else:
+        monkeypatch.setenv(mode_env, mode)
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_under_test", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def _digest(tree: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(tree.rglob("*")):
@@ -161,11 +185,12 @@ def test_version_mismatch_is_refused_untouched(tmp_path: Path) -> None:
 
 
 def test_reject_leaves_the_tree_untouched(tmp_path: Path) -> None:
-    """The last patch of the series cannot apply: nothing of the earlier patches may be left behind."""
+    """A late patch of the series cannot apply: nothing of the earlier patches may be left behind."""
     pin = "0.5.19"
     tree = make_tree(pin, tmp_path)
-    last = P.load_series(pin, PATCHES)[-1]
-    assert "authenticate-control-plane" in last.name
+    series = P.load_series(pin, PATCHES)
+    last = next(p for p in series if "authenticate-control-plane" in p.name)
+    assert series.index(last) > 0  # earlier patches apply first, and must be undone
     target = tree / "sglang/srt/disaggregation/common/conn.py"
     text = target.read_text()
     assert text.count("\nlogger = logging.getLogger(__name__)\n") == 1

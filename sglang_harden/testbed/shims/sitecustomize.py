@@ -102,7 +102,11 @@ def sgl_kernel_cpu_stub() -> None:
 def sgl_kernel_kvcacheio_stub() -> None:
     """0.4.x imports the KV-cache I/O kernels at module level."""
     _stubs.add("sgl_kernel", set())
-    _stubs.add("sgl_kernel.kvcacheio", {"transfer_kv_per_layer", "transfer_kv_per_layer_mla"})
+    # 0.4.10 imports the whole host-cache family in memory_pool_host.py (used only with --enable-hierarchical-cache)
+    _stubs.add("sgl_kernel.kvcacheio", {
+        "transfer_kv_per_layer", "transfer_kv_per_layer_mla", "transfer_kv_all_layer", "transfer_kv_all_layer_lf_pf",
+        "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_direct",
+        "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_per_layer_pf_lf"})
 
 
 @shim
