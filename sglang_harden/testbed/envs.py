@@ -122,6 +122,14 @@ def ci_profiles(path: Path | None = None) -> list[str]:
     return list(tomllib.loads((path or pins_file()).read_text())["ci"].get("profiles", list(PROFILES)))
 
 
+def plugin_pins(path: Path | None = None) -> list[str]:
+    """The testbed's pins the plugin supports (a recipe may exist for a release only the backport series serves, such
+    as 0.5.18): what an e2e case of the plugin's guards runs on."""
+    from sglang_harden.compat.pins import SUPPORTED_PINS
+
+    return [pin for pin in load_pins(path) if pin in SUPPORTED_PINS]
+
+
 def all_pins(path: Path | None = None) -> list[str]:
     """Every pin, in build order (the CI pins first)."""
     data = tomllib.loads((path or pins_file()).read_text())

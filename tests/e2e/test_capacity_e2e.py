@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from sglang_harden.testbed.client import http_json
-from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.envs import plugin_pins
 from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server, ServerError
 
 pytestmark = pytest.mark.e2e
 
-PINS = list(load_pins())
+PINS = plugin_pins()  # the plugin's guards: not on a patch-only release
 POOL, CONTEXT, FITTING = 256, 512, 256
 GATE_MESSAGE = "sglang-harden capacity gate: KV pool too small for the configured context"
 PATCHED_CLAMP_PIN = "0.5.23"  # the 0.5.19 series' gate runs in test_patched_incident.py (log mode)

@@ -34,7 +34,7 @@ import pytest
 
 from sglang_harden.compat import SUPPORTED_PINS
 from sglang_harden.testbed.client import greedy_body
-from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import IncidentSetup, tenant_a_prompt, tenant_b_prompt
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
@@ -59,7 +59,7 @@ def _has_digest(pin: str) -> bool:
     return any(hook.owner == "checksum" for hook in family.HOOKS)
 
 
-CASES = [f"{pin}/{backend}/minimal" for pin, recipe in load_pins().items() if _has_digest(pin)
+CASES = [f"{pin}/{backend}/minimal" for pin, recipe in load_pins().items() if pin in plugin_pins() and _has_digest(pin)
          for backend in ("mooncake", "nixl") if backend in recipe.transfer_backends]
 
 

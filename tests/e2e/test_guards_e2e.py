@@ -35,7 +35,7 @@ from sglang_harden.compat.backends.common import DROPPING_BRANCH
 from sglang_harden.compat.pins import SUPPORTED_PINS
 from sglang_harden.testbed.client import PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
-from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import (
     KVTRACE_ENV,
     IncidentSetup,
@@ -57,7 +57,7 @@ from sglang_harden.tools.matrix import plugin_guards
 
 pytestmark = pytest.mark.e2e
 
-PINS = list(load_pins())
+PINS = plugin_pins()  # the plugin's guards: not on a patch-only release
 SETUP = IncidentSetup(waiting_timeout_s=60)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_BOUND_S = 5.0

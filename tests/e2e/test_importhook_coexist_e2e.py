@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from sglang_harden.testbed.client import greedy_body
-from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.envs import plugin_pins
 from sglang_harden.testbed.incident import (
     KVTRACE_ENV,
     WAITING_TIMEOUT_ENV,
@@ -41,7 +41,7 @@ from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Se
 
 pytestmark = pytest.mark.e2e
 
-PINS = list(load_pins())
+PINS = plugin_pins()  # the plugin's guards: not on a patch-only release
 SETUP = IncidentSetup(waiting_timeout_s=60)
 FINDER_ENV = "SGLANG_HARDEN_TESTBED_DELEGATING_FINDER"
 HARDEN_ENV = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"}

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.envs import load_pins
+from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import IncidentSetup, run_incident
 
 pytestmark = pytest.mark.e2e
 
-RECIPES = load_pins()
+RECIPES = {pin: recipe for pin, recipe in load_pins().items() if pin in plugin_pins()}  # demo: vanilla and hardened
 PROFILE = "minimal"
 SETUP = IncidentSetup()
 LEAK_PINS = [p for p, r in RECIPES.items() if r.incident == "leak"]
