@@ -37,6 +37,7 @@ from sglang_harden.compat.shared import (
     door,
     in_scheduler,
     peer_status_abort,
+    pending_rejection,
     report_state,
     retire_final_send,
     role_of,
@@ -47,7 +48,6 @@ from sglang_harden.compat.shared import (
 )
 from sglang_harden.config import Mode
 from sglang_harden.guards import coverage
-from sglang_harden.guards.admission import PendingRejection
 from sglang_harden.guards.base import Decision
 
 logger = logging.getLogger("sglang_harden")
@@ -63,20 +63,9 @@ Func = Callable[..., Any]
 # ---------------------------------------------------------------- reading SGLang objects
 
 
-def pending_rejection(req: Any) -> PendingRejection | None:
-    """The abort SGLang already decided for ``req``: 0.4.9 records it in ``finished_reason``, the releases from
-    0.5.4.post2 on that this family also serves (0.5.18) in ``to_finish``."""
-    for attr in ("to_finish", "finished_reason"):
-        reason = getattr(req, attr, None)
-        if reason is not None and type(reason).__name__ == "FINISH_ABORT":
-            status = getattr(reason, "status_code", None)
-            return PendingRejection(str(reason.message), int(status or 400))
-    return None
-
-
 def is_aborted(req: Any) -> bool:
     """An abort not yet turned into a finish: 0.4.9's ``to_abort`` (``AbortReq`` on a running request), or an abort
-    pending in ``to_finish`` on the later releases this family serves."""
+    pending in ``to_finish`` (releases from 0.5.4.post2, which the unknown-pin override may still hand this family)."""
     pending = getattr(req, "to_finish", None)
     return bool(getattr(req, "to_abort", False)) or type(pending).__name__ == "FINISH_ABORT"
 

@@ -47,6 +47,7 @@ from sglang_harden.compat.shared import (
     front_answers_refusals,
     in_scheduler,
     peer_status_abort,
+    pending_rejection,
     prefill_front_door,
     publish_peer_abort,
     publish_retired_abort,
@@ -61,7 +62,6 @@ from sglang_harden.compat.shared import (
 )
 from sglang_harden.config import Mode
 from sglang_harden.guards import abort_notify, coverage
-from sglang_harden.guards.admission import PendingRejection
 from sglang_harden.guards.base import Decision, Verdict
 
 logger = logging.getLogger("sglang_harden")
@@ -73,16 +73,6 @@ Func = Callable[..., Any]
 
 
 # ---------------------------------------------------------------- reading SGLang objects
-
-
-def pending_rejection(req: Any) -> PendingRejection | None:
-    """The abort SGLang already decided for ``req`` (``to_finish`` or ``finished_reason``), if any."""
-    for attr in ("to_finish", "finished_reason"):
-        reason = getattr(req, attr, None)
-        if reason is not None and type(reason).__name__ == "FINISH_ABORT":
-            status = getattr(reason, "status_code", None)
-            return PendingRejection(str(reason.message), int(status or 400))
-    return None
 
 
 READER = RequestReader(pending_rejection, is_aborted, abort_and_stream)

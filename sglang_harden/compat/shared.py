@@ -59,6 +59,16 @@ class RequestReader:
     abort_and_stream: Callable[[Any, Any, str, int], None]
 
 
+def pending_rejection(req: Any) -> PendingRejection | None:
+    """The abort SGLang already decided for ``req``: in ``to_finish`` (0.5.4.post2 on) or ``finished_reason``."""
+    for attr in ("to_finish", "finished_reason"):
+        reason = getattr(req, attr, None)
+        if reason is not None and type(reason).__name__ == "FINISH_ABORT":
+            status = getattr(reason, "status_code", None)
+            return PendingRejection(str(reason.message), int(status or 400))
+    return None
+
+
 def room_of(req: Any) -> int | None:
     room = getattr(req, "bootstrap_room", None)
     return None if room is None else int(room)

@@ -199,8 +199,8 @@ def test_table_covers_every_guard_of_the_family() -> None:
 
 
 def test_pending_rejection_reads_either_field_the_family_writes() -> None:
-    """0.4.9 records SGLang's own rejection in ``finished_reason``; 0.5.18, also served by this family, in
-    ``to_finish`` (a reader of one field alone would let 0.5.18's stubbed requests through both doors)."""
+    """0.4.9 records SGLang's own rejection in ``finished_reason``; 0.5.4.post2 on, in ``to_finish`` (a reader of
+    one field alone would let those releases' stubbed requests through both doors)."""
     old, new = types.SimpleNamespace(), types.SimpleNamespace()
     old.finished_reason = FINISH_ABORT("too long (0.4.9)", 400)
     new.to_finish, new.finished_reason = FINISH_ABORT("too long (0.5.18)", 400), None

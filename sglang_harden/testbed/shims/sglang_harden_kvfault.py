@@ -30,7 +30,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import append_trace_line, free_page_ids, wrap_methods_once
+from sglang_harden_shimkit import append_trace_line, free_page_ids, pool_idx, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -48,20 +48,13 @@ def faults(kind: str) -> set[int]:
     return chosen
 
 
-def _pool_idx(req: Any) -> int:
-    """The request's row in the page table: ``req.kv.req_pool_idx`` (0.5.19+), else ``req.req_pool_idx`` (0.5.18,
-    whose ``req.kv`` holds other things)."""
-    idx = getattr(getattr(req, "kv", None), "req_pool_idx", None)
-    return int(idx if idx is not None else req.req_pool_idx)
-
-
 def _flip_one_bit(queue: Any, req: Any) -> None:
     import torch
 
     scheduler = queue.scheduler
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     token = len(req.origin_input_ids) // 2
-    slot = int(scheduler.req_to_token_pool.req_to_token[_pool_idx(req), token])
+    slot = int(scheduler.req_to_token_pool.req_to_token[int(pool_idx(req)), token])
     row = pool.k_buffer[0][slot]
     raw = row.view(torch.uint8).reshape(-1)
     raw[0] ^= 1
@@ -85,7 +78,7 @@ def _repoint_one_page(queue: Any, req: Any) -> None:
     scheduler = queue.scheduler
     page_size = int(getattr(scheduler, "page_size", None) or 1)
     table = scheduler.req_to_token_pool.req_to_token
-    idx = _pool_idx(req)
+    idx = int(pool_idx(req))
     middle = len(req.origin_input_ids) // 2
     first = (middle // page_size) * page_size
     last = min(first + page_size, len(req.origin_input_ids))

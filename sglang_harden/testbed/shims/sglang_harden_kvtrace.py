@@ -28,7 +28,7 @@ from collections import Counter
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import append_trace_line, wrap_methods_once
+from sglang_harden_shimkit import append_trace_line, pool_idx, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -51,12 +51,6 @@ def _is_decode(scheduler: Any) -> bool:
     return "decode" in str(getattr(mode, "value", mode)).lower()
 
 
-def _pool_idx(req: Any) -> int | None:
-    kv = getattr(req, "kv", None)
-    idx = getattr(kv, "req_pool_idx", None) if kv is not None else None
-    return idx if idx is not None else getattr(req, "req_pool_idx", None)
-
-
 def _kv_buffers(scheduler: Any) -> tuple[list[Any], list[Any]]:
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     if getattr(pool, "k_buffer", None) is not None:
@@ -67,7 +61,7 @@ def _kv_buffers(scheduler: Any) -> tuple[list[Any], list[Any]]:
 
 
 def _slots(scheduler: Any, req: Any, length: int) -> list[int]:
-    idx = _pool_idx(req)
+    idx = pool_idx(req)
     if idx is None or length <= 0:
         return []
     return [int(s) for s in scheduler.req_to_token_pool.req_to_token[idx, :length].tolist()]

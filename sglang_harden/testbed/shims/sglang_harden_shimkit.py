@@ -38,3 +38,10 @@ def free_page_ids(allocator: Any) -> list[int]:
     parts = [getattr(allocator, "release_pages", None), *(getattr(allocator, "staged_pages", None) or []),
              getattr(allocator, "free_pages", None)]
     return [int(x) for part in parts if part is not None and hasattr(part, "tolist") for x in part.tolist()]
+
+
+def pool_idx(req: Any) -> int | None:
+    """The request's row in SGLang's page table: ``req.kv.req_pool_idx`` (0.5.19+), else ``req.req_pool_idx``
+    (0.4.x; 0.5.18, whose ``req.kv`` holds other things)."""
+    idx = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    return idx if idx is not None else getattr(req, "req_pool_idx", None)
