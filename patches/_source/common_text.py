@@ -65,6 +65,8 @@ TOKENIZER = _SG.source_file(_SG.TOKENIZER)
 MOONCAKE = _SG.source_file(_SG.MOONCAKE)
 PAGETAGMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_page_tags")
 CANARYMOD = _SG.source_file(f"{_SG.PD}.common.pd_canary")
+LIFECYCLEMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_lifecycle")
+INVARIANTS = _SG.source_file(_SG.INVARIANTS)
 ALLOC_TOKEN = _SG.source_file(_SG.ALLOC_TOKEN)
 ALLOC_PAGED = _SG.source_file(_SG.ALLOC_PAGED)
 
@@ -459,4 +461,117 @@ def canary_patch(indent: str) -> tuple[str, str, list]:
         (DECODE, "from sglang.srt.environ import envs\n", CANARY_IMPORT + "from sglang.srt.environ import envs\n"),
         (DECODE, call, stamp + call),
         (DECODE, COMMIT_ANCHOR, CANARY_CHECK_CALL + COMMIT_ANCHOR),
+    ])
+
+
+H_LIFECYCLE = """\
+sglang-harden backport: page lifecycle (no KV page is reused while a write into it can still land)
+
+What: a new module mem_cache/pd_lifecycle.py (sglang-harden's own page ledger and lifecycle rules,
+generated into it). Decode records the pages the prealloc queue hands to the transfer backend (after
+send_metadata, any backend) as being written for room:<bootstrap_room>, and as written once the
+transfer reported Success and is committed. The token and paged allocators' free paths keep back every
+page still being written whose writers have not drained (quarantine) and ask prefill for its drain
+acknowledgement (abort notice); the pages leave quarantine in pop_transferred once every prefill rank
+acknowledged (note_abort_ack) or the prefill node is known gone (_handle_node_failure), never on a
+timeout. Prefill holds the acknowledgement of a room whose KV write the transport gave up on (Mooncake's
+failed engine call; poison_deferred_ack_room where the release has it, which no longer drops the
+acknowledgement target) until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself)
+passed since the failure. The idle pool check counts quarantined pages as held, not leaked. Deferred
+decode KV release (prefill's drain acknowledgements) is turned on
+on both roles. SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a plugin server.
+
+Why: a write the transport gave up on can still land. Upstream frees the destination pages of a room
+prefill failed at once, or after a timeout, and prefill acknowledges a drain as soon as its worker moved
+on; the late write then lands in pages another request already reads.
+Both sides must carry this patch: a decode with it holds the pages of a failed transfer until prefill
+acknowledges, which an unpatched prefill may never do for a failed write.
+"""
+
+LIFECYCLE_IMPORT = "from sglang.srt.mem_cache import pd_lifecycle\n"
+PD_LIFECYCLE = with_bundle("pd_lifecycle.py", ("NOT_HANDLED", "DONE", "LedgerOps", "ledger_library", "StrEnum"))
+DEFERRED_FLAG = "            envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()\n"
+DEFERRED_FLAG_ON = ("            pd_lifecycle.deferred_release(  # sglang-harden backport: drain acks on\n"
+                    "                envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()\n"
+                    "            )\n")
+NODE_FAILURE = ('    def _handle_node_failure(self, failed_bootstrap_addr: str):\n'
+                '        """Handle failure of a prefill node."""\n')
+MOONCAKE_FAILED_SEND = "                        if ret != 0:\n                            with self.session_lock:\n"
+SUCCESS_COMMIT = "                self._commit_transfer_to_req(decode_req)\n                indices_to_remove.add(i)\n"
+POOL_CHECK = ('        """Check: available + evictable + protected + session_held + uncached == total."""\n'
+              "        total_accounted = available + evictable + protected + session_held + uncached\n")
+POOL_CHECK_HELD = ('        """Check: available + evictable + protected + session_held + uncached == total."""\n'
+                   '        if pool_name == "full":  # sglang-harden backport: quarantined pages are held, not leaked\n'
+                   "            available += pd_lifecycle.held_tokens()\n"
+                   "        total_accounted = available + evictable + protected + session_held + uncached\n")
+POP_TRANSFERRED = "    def pop_transferred(self, rids_to_check: Optional[List[str]] = None) -> List[Req]:\n"
+NOTE_ACK_0519 = ("    def note_abort_ack(self, bootstrap_room: int, prefill_rank: int) -> None:\n"
+                 '        """Record a prefill rank\'s drain ack (decode receiver thread). Only counts\n'
+                 '        while the room is held; grabs the set by reference to avoid racing clear."""\n')
+SEND_ACK_0519 = ("    def _send_abort_ack(self, decode_ip: str, decode_port: int, room: int) -> None:\n"
+                 '        """Best-effort ack that this rank\'s transfer for an aborted room drained."""\n')
+SEND_ACK_0519_RESEND = "lambda: self._send_abort_ack(decode_ip, decode_port, room)"
+NOTE_ACK_0522 = ("    def note_abort_ack(\n        self, bootstrap_room: int, prefill_rank: int, generation: int\n"
+                 '    ) -> None:\n        """Record an ACK only for the generation currently holding the room."""\n')
+SEND_ACK_0522 = ("    def _send_abort_ack(self, room: int, target: AckTarget) -> None:\n"
+                 '        """Best-effort ack that this rank\'s transfer for an aborted room drained."""\n')
+SEND_ACK_0522_RESEND = "lambda: self._send_abort_ack(room, target)"
+POISON_0522 = ("    def poison_deferred_ack_room(self, room: int) -> None:\n"
+               '        """Drop an ACK target when the backend cannot prove the room drained."""\n')
+
+
+def _ack_edits(note_ack: str, send_ack: str, resend: str) -> list:
+    return [
+        (CONN, note_ack, note_ack + "        pd_lifecycle.note_ack(bootstrap_room, prefill_rank)  # sglang-harden backport\n"),
+        (CONN, send_ack, send_ack +
+         f"        if pd_lifecycle.ack_deferred(room, {resend}):\n"
+         "            return  # sglang-harden backport: a failed write of this room may still land\n"),
+    ]
+
+
+ACK_EDITS_0519 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND)
+ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND) + [
+    (CONN, POISON_0522, POISON_0522 +
+     "        if pd_lifecycle.note_failed_write(room):\n"
+     "            return  # sglang-harden backport: keep the ACK target; the ACK waits for the write's lifetime\n"),
+]
+
+
+def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
+    """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
+    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522)."""
+    call = page_tags_publish(indent)[0]
+    publish = (f"{indent}# sglang-harden backport: these pages are being written until the transfer commits.\n"
+               f"{indent}pd_lifecycle.note_published(\n"
+               f"{indent}    self.token_to_kv_pool_allocator, decode_req.kv_receiver, page_indices\n"
+               f"{indent})\n")
+    return ("page-lifecycle", H_LIFECYCLE, [
+        (LIFECYCLEMOD, None, PD_LIFECYCLE),
+        (DECODE, "from sglang.srt.environ import envs\n", LIFECYCLE_IMPORT + "from sglang.srt.environ import envs\n"),
+        (DECODE, call, call + publish),
+        (DECODE, DEFERRED_FLAG, DEFERRED_FLAG_ON),
+        (DECODE, POP_TRANSFERRED, POP_TRANSFERRED +
+         "        pd_lifecycle.release_drained()  # sglang-harden backport: quarantined pages whose writers drained\n"),
+        (DECODE, SUCCESS_COMMIT,
+         "                pd_lifecycle.note_committed(decode_req.req)  # sglang-harden backport: written, no write left\n"
+         + SUCCESS_COMMIT),
+        (ALLOC_TOKEN, TOKEN_FREE, TOKEN_FREE +
+         "        free_index = pd_lifecycle.pages_to_free(self, free_index)  # sglang-harden backport: quarantine\n"),
+        (ALLOC_PAGED, PAGED_RELEASE, PAGED_RELEASE +
+         "        page_ids = pd_lifecycle.page_ids_to_free(self, page_ids)  # sglang-harden backport: quarantine\n"),
+        (ALLOC_TOKEN, PAGE_TAGS_IMPORT, PAGE_TAGS_IMPORT + LIFECYCLE_IMPORT),
+        (ALLOC_PAGED, PAGE_TAGS_IMPORT, PAGE_TAGS_IMPORT + LIFECYCLE_IMPORT),
+        (INVARIANTS, "from sglang.srt.environ import envs\n", "from sglang.srt.environ import envs\n" + LIFECYCLE_IMPORT),
+        (INVARIANTS, POOL_CHECK, POOL_CHECK_HELD),
+        (CONN, "from sglang.srt.disaggregation.utils import (\n",
+         LIFECYCLE_IMPORT + "from sglang.srt.disaggregation.utils import (\n"),
+        (CONN, DEFERRED_FLAG, DEFERRED_FLAG_ON),
+        (CONN, NODE_FAILURE, NODE_FAILURE +
+         "        pd_lifecycle.note_sender_gone(failed_bootstrap_addr)  # sglang-harden backport\n"),
+        *ack_edits,
+        (MOONCAKE, "from sglang.srt.disaggregation.utils import (\n",
+         LIFECYCLE_IMPORT + "from sglang.srt.disaggregation.utils import (\n"),
+        (MOONCAKE, MOONCAKE_FAILED_SEND, MOONCAKE_FAILED_SEND.replace(
+            "if ret != 0:\n", "if ret != 0:\n                            pd_lifecycle.note_failed_write(kv_chunk.room)"
+            "  # sglang-harden backport\n")),
     ])

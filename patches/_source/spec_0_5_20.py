@@ -28,4 +28,5 @@ PATCHES = [
     _by_name["authenticate-control-plane"],
     _by_name["page-ownership-tags"],
     _by_name["kv-canary"],
+    _by_name["page-lifecycle"],
 ]

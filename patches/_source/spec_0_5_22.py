@@ -1,2 +1,7 @@
-# 0.5.22: the 0.5.21 series as it is (every anchor holds on 0.5.22's source).
-from spec_0_5_21 import PATCHES  # noqa: F401
+# 0.5.22: the 0.5.21 series, but the drain-acknowledgement functions changed (AckTarget, generations, and the
+# "poisoned" rooms whose acknowledgement target upstream drops): the lifecycle patch edits those.
+from common_text import ACK_EDITS_0522, lifecycle_patch
+from spec_0_5_21 import PATCHES as _PATCHES_0521
+
+PATCHES = [lifecycle_patch(" " * 8, ACK_EDITS_0522) if name == "page-lifecycle" else (name, header, edits)
+           for name, header, edits in _PATCHES_0521]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
+from sglang_harden.testbed.latewrite_patched import patched_quiesce
+from sglang_harden.testbed.patched import patched_env
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.profiles import get_profile
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
@@ -101,7 +104,12 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(length)]
 
 
-def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, router: bool = False) -> PDPair:
+def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, router: bool = False,
+               tree: Path | None = None) -> PDPair:
+    """``tree``: a patched copy of the pin's SGLang (``testbed.patched.patched_tree``) both servers run, with the
+    plugin off (``hardened`` must then be False): the backport series' lifecycle instead of the plugin's."""
+    if tree is not None and hardened:
+        raise ValueError("a patched pair runs with the plugin off: hardened=False with tree")
     env = {
         LATE_WRITE_ENV: f"{setup.delay_s}:{setup.room_a}"
         + (f":timeout={setup.engine_timeout_s}" if setup.engine_timeout_s is not None else "")
@@ -121,6 +129,9 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
                 "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages),
             }
         )
+    if tree is not None:
+        env.update({**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "log",
+                    "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3))})
     if setup.backend not in BACKENDS:
         raise ValueError(f"late-write backend {setup.backend!r}: one of {BACKENDS}")
     pair = PDPair(
@@ -250,7 +261,8 @@ def _b_summary(res: GenResult) -> dict[str, Any]:
 
 
 def run_scenario(
-    pair: PDPair, setup: LateWriteSetup, say: Progress = None, land_after_release: bool = False
+    pair: PDPair, setup: LateWriteSetup, say: Progress = None, land_after_release: bool = False,
+    patched: bool = False,
 ) -> dict[str, Any]:
     """The timeline above on ``pair``. ``land_after_release``: the write also lands while any victim sent after
     A's release time decodes (:class:`LandingTrigger`; for hardened servers), not only in one handed A's pages."""
@@ -294,6 +306,8 @@ def run_scenario(
     say(f"late write triggered by {trigger.fired_for or 'no victim (timer fallback)'} ({trigger.reason})")
     thread.join(timeout=setup.delay_s + 60)
     pool = _quiesce(pair, setup)
+    if patched:
+        pool = patched_quiesce(pair, setup, pool, say, _prompt(4, setup.decode_max_total_tokens))
     ref = victim("B-reference")
     misowned = pd_generate(
         pair.prefill.url,
@@ -351,7 +365,11 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
             "corrupted": bool(changed) or differs,
         }
     pool = run["pool"]
-    back = pool.get("available_tokens") is not None and pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0)
+    if "patched_release_logged" in pool:  # a patched decode: its release line and a request needing the pool
+        back = bool(pool["patched_release_logged"]) and pool["full_pool_request_status"] == 200
+    else:
+        back = (pool.get("available_tokens") is not None
+                and pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0))
     return {
         "late_write_landed": landed_at is not None,
         "late_write_t_rel": None if landed_at is None else round(landed_at - run["t0"], 2),
@@ -379,9 +397,16 @@ def _before(first_decode: dict[str, Any] | None, landed_at: float | None) -> boo
     return float(first_decode["t"]) < landed_at
 
 
+PATCHED_QUARANTINE = re.compile(r"sglang-harden lifecycle quarantine: (\d+) KV pages of room:(\d+) ")
+
+
 def _quarantined_pages(decode_log: str, room: int | None) -> int:
-    """Pages of A's room the lifecycle guard put in quarantine, from decode's structured decision lines."""
-    return quarantined_pages_by_room(decode_log).get(room, 0) if room is not None else 0
+    """Pages of A's room the lifecycle guard put in quarantine: the plugin's structured decision lines, or the
+    backport series' log lines (a patched decode)."""
+    if room is None:
+        return 0
+    patched = sum(int(m.group(1)) for m in PATCHED_QUARANTINE.finditer(decode_log) if int(m.group(2)) == room)
+    return quarantined_pages_by_room(decode_log).get(room, 0) + patched
 
 
 def _misowned(res: GenResult) -> dict[str, Any]:
@@ -393,13 +418,16 @@ def _misowned(res: GenResult) -> dict[str, Any]:
 
 
 def run_late_write(
-    pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetup = LateWriteSetup(), say: Progress = None
+    pin: str, hardened: bool, log_dir: Path, setup: LateWriteSetup = LateWriteSetup(), say: Progress = None,
+    tree: Path | None = None,
 ) -> dict[str, Any]:
-    """One fresh pair for (pin, variant): the scenario, the oracles, and the pair stopped again."""
+    """One fresh pair for (pin, variant): the scenario, the oracles, and the pair stopped again. ``tree``: the
+    pair runs that patched SGLang copy, plugin off (variant ``patched``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    pair = start_pair(pin, hardened, setup, log_dir)
+    pair = start_pair(pin, hardened, setup, log_dir, tree=tree)
     try:
-        run = run_scenario(pair, setup, say, land_after_release=hardened)
+        run = run_scenario(pair, setup, say, land_after_release=hardened or tree is not None,
+                           patched=tree is not None)
     finally:
         pair.stop()
     run.update(decode_log=pair.decode.log_text(), room_a=setup.room_a)
@@ -408,7 +436,7 @@ def run_late_write(
         {
             "pin": pin,
             "backend": setup.backend,
-            "variant": "hardened" if hardened else "vanilla",
+            "variant": "patched" if tree is not None else "hardened" if hardened else "vanilla",
             "setup": asdict(setup),
             "log_dir": str(log_dir),
         }

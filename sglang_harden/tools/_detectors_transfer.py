@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from sglang_harden.compat.internals import COMMIT, NOTE_ABORT_ACK
+from sglang_harden.compat.internals import COMMIT, NOTE_ABORT_ACK, PAGED_RELEASE, POP_TRANSFERRED, TOKEN_FREE
 from sglang_harden.tools._detect_base import (
     CONN,
     DECODE,
@@ -119,3 +119,31 @@ def detect_transfer_batch_bound(tree: SourceTree) -> Native:
     if default in ("0", "None"):
         return Native(OPT_IN, f"env, default {default} (unbounded)", evidence, switch=BATCH_ENV, default="0")
     return Native(YES, f"default {default}", evidence, switch=BATCH_ENV, default=default)
+
+
+_KEEP_BACK_RE = re.compile(r"quarantin|lifecycle|to_free|keep_back", re.I)
+_RELEASE_HELD_RE = re.compile(r"quarantin|release_drained|confirm_drained|lifecycle", re.I)
+
+
+def _filters_what_it_frees(ref: FuncRef) -> bool:
+    """The free path reassigns what it is about to free from a call named for keeping pages back."""
+    return any(isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+               and _KEEP_BACK_RE.search(call_name(node.value)) for node in ast.walk(ref.node))
+
+
+def detect_page_quarantine(tree: SourceTree) -> Native:
+    """Both allocators' free paths keep back pages a transfer may still write (quarantine), and decode's transfer
+    queue lets them out once their writers drained (the backport series' ``pd_lifecycle``). No SGLang release
+    has it: upstream's deferred release frees on a timeout."""
+    frees = [ref for target in (TOKEN_FREE, PAGED_RELEASE) if (ref := tree.function(*target)) is not None]
+    if not frees:
+        return Native(UNKNOWN, "no KV allocator free path found")
+    filtering = [ref.where for ref in frees if _filters_what_it_frees(ref)]
+    if not filtering:
+        return Native(NO, "the allocators free every page they are given", [ref.where for ref in frees])
+    pop = tree.function(*POP_TRANSFERRED)
+    releases = pop is not None and any(_RELEASE_HELD_RE.search(call_name(c)) for c in calls(pop.node))
+    if len(filtering) < len(frees) or not releases:
+        return Native(PARTIAL, "pages are kept back on some free paths, or never let out of quarantine", filtering)
+    return Native(YES, "freed pages a transfer may still write stay in quarantine until its writers drain",
+                  filtering + [pop.where])

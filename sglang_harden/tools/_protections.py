@@ -21,6 +21,9 @@ a PR's wording, so a backported or locally patched tree is recognised. What each
 - ``deferred_release``: decode reads ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`` and has a
   ``*defer*`` release path; ``environ.py`` gives the default; backends = transfer ``conn.py`` modules that
   honour it (that set ``supports_deferred_decode_kv_release = True`` where the base class gates on it).
+- ``page_quarantine``: the token and paged allocators' free paths reassign what they free from a call named for
+  keeping pages back (quarantine / lifecycle / to_free), and ``pop_transferred`` calls one that lets quarantined
+  pages out (partial when only some do). No SGLang release has it; the backport series' ``page-lifecycle`` does.
 - ``kv_canary``: a ``kv_canary`` server-arg field and the ``kv_canary`` kernel package; default from the
   field. Or the backport series' canary: decode's commit path has an ``if`` on a canary verdict that
   aborts (``pd_canary.refusal_at_commit``), on by default.
@@ -73,6 +76,7 @@ from sglang_harden.tools._detectors_transfer import (
     detect_abort_ack,
     detect_deferred_release,
     detect_kv_canary,
+    detect_page_quarantine,
     detect_transfer_batch_bound,
 )
 from sglang_harden.tools._source import SourceTree
@@ -92,6 +96,7 @@ PROTECTIONS: tuple[Protection, ...] = (
     Protection("kv_checksum", "per-transfer KV checksum", "checksum"),
     Protection("page_ownership", "page ownership check on decode commit", "page_tags"),
     Protection("deferred_release", "deferred decode KV release", "lifecycle"),
+    Protection("page_quarantine", "quarantine of pages a late write may still land in", "lifecycle"),
     Protection("kv_canary", "kv canary", "canary"),
     Protection("abort_ack", "abort acknowledgement", "lifecycle"),
     Protection("transfer_batch_bound", "bounded Mooncake transfer batch", "lifecycle"),
@@ -107,6 +112,7 @@ DETECTORS: dict[str, Callable[[SourceTree], Native]] = {
     "kv_checksum": detect_kv_checksum,
     "page_ownership": detect_page_ownership,
     "deferred_release": detect_deferred_release,
+    "page_quarantine": detect_page_quarantine,
     "kv_canary": detect_kv_canary,
     "abort_ack": detect_abort_ack,
     "transfer_batch_bound": detect_transfer_batch_bound,

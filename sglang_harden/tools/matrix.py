@@ -34,6 +34,7 @@ PATCH_GUARDS = {  # a backport patch's name (after its number) -> the guard it g
     "authenticate-control-plane": "bootstrap_auth",
     "page-ownership-tags": "page_tags",
     "kv-canary": "canary",
+    "page-lifecycle": "lifecycle",
 }
 # Guards upstream SGLang has itself (on by default) from a release on: (doctor's protection key, first release).
 # tests/integration/test_doctor_wheels.py checks each supported pin's code agrees.

@@ -1,0 +1,378 @@
+"""Page lifecycle on both PD roles (sglang-harden backport, not upstream SGLang code).
+
+Invariant (sglang-harden's lifecycle guard): a decode KV page handed to a transfer goes back to the free list only
+once no write into it can still land: the transfer reported success on every rank and was committed, every prefill
+rank it was published to acknowledged that its writes drained, or that prefill is known gone. Until then the page
+waits in quarantine; a bare timeout is no confirmation. Prefill acknowledges a drain only once no write of the room
+can land: a write the transport gave up on may still land for ``SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S`` seconds
+(0: never by itself), so the acknowledgement waits that long after the failure.
+
+decode
+- ``note_published`` (the prealloc queue handed a request's destination pages to the transfer backend, after
+  ``send_metadata``, any backend): the pages are reserved for ``room:<bootstrap_room>`` and being written;
+- ``note_committed`` (the transfer queue is about to commit a transfer that reported Success): pages written;
+- ``pages_to_free`` / ``page_ids_to_free`` (the token and paged allocators' free paths): a page still being written
+  by a writer that has not drained is kept back (quarantine) and prefill is asked for its drain acknowledgement;
+- ``note_ack`` (``CommonKVManager.note_abort_ack``) and ``note_sender_gone`` (``_handle_node_failure``): drain
+  evidence, from the receiver threads;
+- ``release_drained`` (``DecodeTransferQueue.pop_transferred``, the scheduler thread): quarantined pages whose
+  writers drained go to the free list.
+prefill
+- ``note_failed_write`` (Mooncake's failed engine call; ``poison_deferred_ack_room`` on releases that have it, which
+  would otherwise drop the room's acknowledgement target for good);
+- ``ack_deferred`` (``CommonKVManager._send_abort_ack``): an acknowledgement of a room whose failed write may still
+  land is sent by a timer once the write's lifetime passed.
+Both roles: ``deferred_release`` turns SGLang's deferred decode KV release (prefill's drain acknowledgements) on.
+
+The ledger and the rules are sglang-harden's own code (``guards/page_ledger.py``, ``guards/lifecycle.py``), put in
+below when the series is generated, so a patched and a plugin node judge alike. ``SGLANG_HARDEN_LIFECYCLE``:
+``enforce`` (default), ``log`` (log what would be quarantined or held, free and acknowledge as upstream does),
+``off`` (no ledger, upstream's behaviour). Any other value refuses to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from enum import Enum
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV = "SGLANG_HARDEN_LIFECYCLE"
+LIFETIME_ENV = "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"
+DEFAULT_LIFETIME_S = 30
+MAX_FAILED_ROOMS = 1 << 16  # prefill: rooms remembered with a failed write (the oldest age out past this)
+
+# sglang-harden's native ledger library is not part of the backport: the ledger runs its numpy path.
+NOT_HANDLED, DONE = 0, 1
+LedgerOps = None
+
+
+def ledger_library() -> None:
+    return None
+
+
+# <prelude>
+
+
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py>
+
+
+# ---- the backport's own glue: SGLang's objects in, the guard's decisions out
+
+
+MODE = mode_from_env(MODE_ENV)
+
+
+def _lifetime_from_env() -> float:
+    raw = os.environ.get(LIFETIME_ENV, "").strip() or str(DEFAULT_LIFETIME_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{LIFETIME_ENV}={raw!r}: expected seconds (0: a failed write never expires)") from None
+    if value < 0:
+        raise ValueError(f"{LIFETIME_ENV}={raw!r}: must not be negative")
+    return value
+
+
+LIFETIME_S = _lifetime_from_env()
+
+
+def deferred_release(upstream: bool) -> bool:
+    """SGLang's deferred decode KV release switch: on whenever the guard is (prefill then acknowledges drains)."""
+    return True if MODE != "off" else upstream
+
+
+def _as_pages(indices: Any) -> Any:
+    """An index tensor or array as an int64 numpy array of its own (a CUDA tensor is copied to the host)."""
+    import numpy as np
+
+    if hasattr(indices, "detach"):
+        indices = indices.detach().cpu().numpy()
+    return np.array(indices, dtype=np.int64).reshape(-1)
+
+
+class Transfer:
+    """One request's transfer into decode's pages: who may write them and which acknowledgements end that."""
+
+    def __init__(self, room: int, pages: Any, required_acks: int, addr: str, receiver: Any) -> None:
+        self.room, self.pages, self.required_acks = room, pages, required_acks
+        self.addr, self.receiver = addr, receiver
+
+
+class DecodeLifecycle:
+    """The page ledger of one decode scheduler's KV allocator, the transfers writing into it and their drain
+    evidence (acknowledgements and gone senders arrive on receiver threads)."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self.page_size = int(getattr(allocator, "page_size", 1) or 1)
+        self.ledger = PageLedger(int(allocator.size) // self.page_size + 2, native=False)
+        self.transfers: dict[str, Transfer] = {}
+        self._acks: dict[int, set[int]] = {}
+        self._gone: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- transfer path (scheduler thread)
+    def publish(self, room: int, pages: Any, required_acks: int, addr: str, receiver: Any) -> str | None:
+        """Reserve ``pages`` for the room's transfer; the reason it cannot, or None."""
+        owner = f"room:{room}"
+        try:
+            self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+        except LedgerError as exc:
+            return f"destination page not free in the page ledger when handed to the transfer: {exc}"
+        with self._lock:
+            self._acks.pop(room, None)  # acknowledgements of an earlier use of this room are not this one's
+        self.transfers[owner] = Transfer(room, pages, required_acks, addr, receiver)
+        return None
+
+    def commit(self, room: int) -> None:
+        transfer = self.transfers.pop(f"room:{room}", None)
+        if transfer is not None:
+            self.ledger.move_bulk(f"room:{room}", transfer.pages, PageState.WRITTEN)
+
+    # ---- drain evidence (any thread)
+    def note_ack(self, room: int, rank: int) -> None:
+        with self._lock:
+            self._acks.setdefault(room, set()).add(rank)
+
+    def note_gone(self, addr: str) -> None:
+        with self._lock:
+            self._gone.add(addr)
+
+    def drained(self, owner: str) -> bool:
+        transfer = self.transfers.get(owner)
+        if transfer is None:
+            return False
+        with self._lock:
+            evidence = DrainEvidence(transfer.required_acks, len(self._acks.get(transfer.room, ())),
+                                     sender_gone=transfer.addr in self._gone)
+        return writer_drained(evidence)
+
+    # ---- free path (scheduler thread)
+    def keep_back(self, pages: Any) -> Any:
+        """Mask of ``pages`` that must not reach the free list, or None (free them all)."""
+        sole = self.ledger.sole_owner(pages)
+        if sole == NONE_TRACKED:
+            return None
+        if sole != MIXED:
+            groups = [(sole, pages)]
+        else:
+            tracked = pages[self.ledger.state_array()[pages] != PageState.FREE]
+            owner_ids = self.ledger.owner_ids_of(tracked)
+            groups = [(o, tracked[owner_ids == o]) for o in distinct(owner_ids).tolist()]
+        for owner_id, owned in groups:
+            owner = self.ledger.owner_name(owner_id)
+            if owner is not None:
+                self._release(owner, owned)
+        if not self.ledger.quarantined_count():
+            return None
+        held = self.ledger.state_array()[pages] == PageState.QUARANTINED
+        return held if held.any() else None
+
+    def _release(self, owner: str, pages: Any) -> None:
+        drained = self.drained(owner)
+        if MODE == "log" and not drained:
+            writing = int((self.ledger.state_array()[pages] == PageState.WRITING).sum())
+            if writing:
+                logger.warning("sglang-harden lifecycle quarantine_logged (log mode: freed anyway): %s KV pages of %s "
+                               "released while its transfer may still write them", writing, owner)
+            drained = True
+        outcome = self.ledger.release_bulk(owner, pages, writer_drained=drained)
+        if len(outcome.to_quarantine):
+            transfer = self.transfers.get(owner)
+            logger.warning("sglang-harden lifecycle quarantine: %s KV pages of %s released while its transfer may "
+                           "still write them; held until prefill %s acknowledges its writes drained (%s pages held)",
+                           len(outcome.to_quarantine), owner, transfer.addr if transfer else "?",
+                           self.ledger.quarantined_count())
+            self._ask_for_ack(transfer)
+        elif owner in self.transfers and not self.ledger.holds_pages(owner):
+            self._forget(owner)
+
+    def _ask_for_ack(self, transfer: Transfer | None) -> None:
+        """Prefill acknowledges a drained room only after an abort notice from decode: make sure one went out."""
+        receiver = transfer.receiver if transfer is not None else None
+        if receiver is None or getattr(receiver, "abort_notified", True):
+            return
+        try:
+            ensure = getattr(receiver, "ensure_abort_notified", None)
+            if ensure is not None:
+                ensure(force_arm=True)
+            elif getattr(receiver, "bootstrap_infos", None):
+                receiver._send_abort_notification()
+                receiver.abort_notified = True
+        except Exception as exc:  # noqa: BLE001 - best effort: without an acknowledgement the pages stay held
+            logger.warning("sglang-harden lifecycle: could not ask prefill to acknowledge room %s: %r",
+                           transfer.room, exc)
+
+    def _forget(self, owner: str) -> None:
+        transfer = self.transfers.pop(owner, None)
+        if transfer is not None:
+            with self._lock:
+                self._acks.pop(transfer.room, None)
+
+    # ---- leaving quarantine (scheduler thread)
+    def drained_pages(self) -> list[int]:
+        """Quarantined pages whose writer drained since the last call; the ledger already counts them free."""
+        freed: list[int] = []
+        for owner in self.ledger.quarantined_owners():
+            if self.drained(owner):
+                pages = self.ledger.confirm_drained(owner)
+                logger.warning("sglang-harden lifecycle release: %s KV pages of %s leave quarantine (writer "
+                               "drained)", len(pages), owner)
+                freed.extend(pages)
+                self._forget(owner)
+        return freed
+
+
+NODE: DecodeLifecycle | None = None
+
+
+def _node_for(allocator: Any) -> DecodeLifecycle | None:
+    node = NODE
+    return node if node is not None and node.allocator is allocator else None
+
+
+def note_published(allocator: Any, receiver: Any, page_indices: Any) -> None:
+    """Decode handed ``page_indices`` (page numbers) of ``allocator`` to ``receiver``'s transfer."""
+    global NODE
+
+    room = getattr(receiver, "bootstrap_room", None)
+    infos = getattr(receiver, "bootstrap_infos", None)
+    if MODE == "off" or room is None or infos is None:
+        return  # nothing was published: no writer for these pages
+    if NODE is None or NODE.allocator is not allocator:
+        NODE = DecodeLifecycle(allocator)
+        logger.info("sglang-harden lifecycle: decode ledger over %s KV pages (page size %s), mode %s",
+                    NODE.ledger.num_pages, NODE.page_size, MODE)
+    reason = NODE.publish(int(room), _as_pages(page_indices), len(infos), str(getattr(receiver, "bootstrap_addr", "")),
+                          receiver)
+    if reason is not None:
+        logger.error("sglang-harden lifecycle abort: room=%s: %s", room, reason)
+        receiver.kv_mgr.record_failure(room, "sglang-harden lifecycle: " + reason)
+        receiver.abort()
+
+
+def note_committed(req: Any) -> None:
+    """The transfer of ``req`` reported Success on every rank: its pages are written, no write can still land."""
+    node = NODE
+    room = getattr(req, "bootstrap_room", None)
+    if node is not None and room is not None:
+        node.commit(int(room))
+
+
+def pages_to_free(allocator: Any, free_index: Any) -> Any:
+    """The part of ``free_index`` (token slots of a page-size-1 allocator) that may go to the free list now."""
+    node = _node_for(allocator)
+    if node is None or free_index.numel() == 0:
+        return free_index
+    keep = node.keep_back(_as_pages(free_index))
+    return free_index if keep is None else free_index[_torch_mask(~keep, free_index)]
+
+
+def page_ids_to_free(allocator: Any, page_ids: tuple) -> tuple:
+    """``_release_page_ids``'s page id tensors without the pages that must stay in quarantine."""
+    node = _node_for(allocator)
+    if node is None:
+        return page_ids
+    passed = []
+    for ids in page_ids:
+        keep = node.keep_back(_as_pages(ids)) if ids.numel() else None
+        passed.append(ids if keep is None else ids[_torch_mask(~keep, ids)])
+    return tuple(passed)
+
+
+def _torch_mask(mask: Any, like: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(mask).to(like.device)
+
+
+def release_drained() -> None:
+    """Scheduler thread: hand the quarantined pages whose writers drained back to the allocator."""
+    node = NODE
+    if node is None or not node.ledger.quarantined_count():
+        return
+    pages = node.drained_pages()
+    if not pages:
+        return
+    import torch
+
+    index = torch.tensor(pages, dtype=torch.int64, device=node.allocator.device)
+    if node.page_size == 1:
+        node.allocator.free(index)
+    else:
+        node.allocator._release_page_ids(index)
+
+
+def note_ack(room: int, rank: int) -> None:
+    node = NODE
+    if node is not None:
+        node.note_ack(int(room), int(rank))
+
+
+def note_sender_gone(addr: str) -> None:
+    node = NODE
+    if node is not None:
+        node.note_gone(str(addr))
+
+
+def held_tokens() -> int:
+    """Token slots of decode's pool held in quarantine (SGLang's idle pool check counts them as held)."""
+    node = NODE
+    return node.ledger.quarantined_count() * node.page_size if node is not None else 0
+
+
+def quarantined_pages() -> int:
+    node = NODE
+    return node.ledger.quarantined_count() if node is not None else 0
+
+
+# ---- prefill: acknowledgements wait for a failed write's lifetime
+
+
+_FAILED_AT: dict[int, float] = {}
+_FAILED_LOCK = threading.Lock()
+
+
+def note_failed_write(room: int) -> bool:
+    """The transport gave up on a write of ``room`` that may still land. True when the guard takes it over (the
+    caller keeps the room's acknowledgement target instead of dropping it)."""
+    if MODE == "off":
+        return False
+    with _FAILED_LOCK:
+        _FAILED_AT.pop(int(room), None)
+        _FAILED_AT[int(room)] = time.monotonic()
+        while len(_FAILED_AT) > MAX_FAILED_ROOMS:
+            _FAILED_AT.pop(next(iter(_FAILED_AT)))
+    wait = f"{LIFETIME_S:g} s" if LIFETIME_S > 0 else "until the sender is gone (lifetime 0)"
+    logger.warning("sglang-harden lifecycle: a KV write of room %s failed and may still land; its drain "
+                   "acknowledgement waits %s", room, wait)
+    return MODE == "enforce"
+
+
+def ack_deferred(room: int, send: Callable[[], Any]) -> bool:
+    """True when the acknowledgement of ``room`` must wait (``send`` is then called again once it may go)."""
+    with _FAILED_LOCK:
+        failed_at = _FAILED_AT.get(int(room))
+    if failed_at is None or MODE == "off":
+        return False
+    age = time.monotonic() - failed_at
+    evidence = SourceEvidence(chunks_outstanding=0, transfer_ended=True, failed_write_age_s=age)
+    if source_settled(evidence, LIFETIME_S):
+        with _FAILED_LOCK:
+            _FAILED_AT.pop(int(room), None)
+        return False
+    if MODE == "log":
+        logger.warning("sglang-harden lifecycle ack_logged (log mode: sent anyway): room %s acknowledged %.1f s "
+                       "after a failed write", room, age)
+        return False
+    if LIFETIME_S > 0:
+        timer = threading.Timer(LIFETIME_S - age + 0.05, send)
+        timer.daemon = True
+        timer.start()
+    logger.warning("sglang-harden lifecycle hold_ack: room %s: drain acknowledgement held %.1f s more (a failed "
+                   "write may still land)", room, max(LIFETIME_S - age, 0.0))
+    return True

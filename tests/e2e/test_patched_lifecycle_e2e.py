@@ -1,0 +1,73 @@
+"""The late KV write on a real PD pair whose SGLang is a patched copy (``patches/<pin>``, series ``page-lifecycle``)
+with the plugin OFF.
+
+Same scenario and oracles as ``test_lifecycle_e2e.py`` (``sglang_harden.testbed.latewrite``): the test-only
+``latewrite`` shim makes the engine call (Mooncake) or the post (NIXL) of request A's KV give up after 1 s while
+A's bytes land later, when a victim sent after A's release time decodes. ``test_lifecycle_e2e.py`` shows the
+vanilla pin serving corrupted victims in this very scenario on the same pins and backends; here:
+
+- patched: 0 corrupted victims, the write landed while a victim decoded, A's decode pages went to quarantine
+  (the series' log line), no victim decoded over one of A's pages before the write landed, every served victim
+  judged by the KV tracer, and every decode page back at quiesce (prefill's drain acknowledgement, held for the
+  failed write's lifetime, let them out);
+- run with ``SGLANG_HARDEN_LIFECYCLE=off`` in the environment (the same tree, the guard switched off), the first
+  test fails: the late write corrupts a victim again (how the test was shown to fail without the guard).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_harden.testbed.envs import get_recipe
+from sglang_harden.testbed.latewrite import run_late_write, setup_for
+from sglang_harden.testbed.patched import patched_tree
+
+pytestmark = pytest.mark.e2e
+
+PINS = ["0.5.19", "0.5.22", "0.5.23"]
+BACKENDS = ["mooncake", "nixl"]
+CASES = [f"{pin}/{backend}" for pin in PINS for backend in BACKENDS if backend in get_recipe(pin).transfer_backends]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> str:
+    require_pin(str(request.param))
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def result(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    version, backend = pin.split("/")
+    root: Path = tmp_path_factory.mktemp(f"patched-latewrite-{version}-{backend}")
+    tree = patched_tree(version, root / "tree")
+    return run_late_write(version, False, root / "patched", setup_for("minimal", backend), tree=tree)
+
+
+def _brief(res: dict[str, Any]) -> str:
+    keys = ("late_write_t_rel", "late_write_triggered_by", "late_write_trigger_reason", "victims",
+            "corrupted_requests", "a_decode_pages", "a_pages_quarantined", "handed_a_pages_before_write_landed",
+            "tracer_gaps", "pages_back_at_quiesce", "decode_pool", "log_dir")
+    return json.dumps({k: res.get(k) for k in keys}, default=str)
+
+
+@pytest.mark.proves("patch", "lifecycle")
+def test_patched_late_write_corrupts_no_request(result: dict[str, Any]) -> None:
+    assert result["late_write_landed"], _brief(result)
+    assert result["served_requests"] >= 1, _brief(result)
+    assert result["corrupted_requests"] == 0, _brief(result)
+
+
+def test_patched_quarantine_held_a_pages_and_released_them(result: dict[str, Any]) -> None:
+    """The clean verdict counts only if A's pages really were quarantined, the write landed while a victim sent
+    after A's release decoded, and the pages came back once prefill acknowledged the drain."""
+    assert result["a_decode_pages"], _brief(result)
+    assert result["a_pages_quarantined"] >= len(result["a_decode_pages"]), _brief(result)
+    assert result["late_write_trigger_reason"] == "sent after A's release", _brief(result)
+    assert result["handed_a_pages_before_write_landed"] == [], _brief(result)
+    assert result["tracer_gaps"] == [], _brief(result)
+    assert result["pages_back_at_quiesce"], _brief(result)

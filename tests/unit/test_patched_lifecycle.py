@@ -1,0 +1,151 @@
+"""The page-lifecycle patch's module (``sglang/srt/mem_cache/pd_lifecycle.py`` of a patched tree), imported from the
+file the series writes, on stand-ins for SGLang's allocator and receiver (CPU tensors for the index tensors its
+free paths pass; it imports nothing of SGLang), and doctor's ``page_quarantine`` detector on pristine and patched
+trees. Needs torch (the free paths filter index tensors): ``scripts/run_tests.sh`` runs it with a pin's venv python.
+The real patched servers are ``tests/e2e/test_patched_lifecycle_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+from test_patch import load_series_module, make_tree, patched_trees
+
+from sglang_harden.tools import patch as P
+from sglang_harden.tools._detectors_transfer import detect_page_quarantine
+from sglang_harden.tools._source import SourceTree
+
+torch = pytest.importorskip("torch")
+
+MODULE = "sglang/srt/mem_cache/pd_lifecycle.py"
+PINS = [pin for pin in P.available_pins(P.default_patches_dir()) if pin.startswith("0.5.") and pin != "0.5.18"]
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return patched_trees(tmp_path_factory, ("0.5.19", "0.5.23"))
+
+
+def load(tree: Path, monkeypatch: pytest.MonkeyPatch, mode: str | None = None, lifetime: str = "30") -> ModuleType:
+    monkeypatch.setenv("SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S", lifetime)
+    return load_series_module(tree / MODULE, "SGLANG_HARDEN_LIFECYCLE", mode, monkeypatch)
+
+
+class Allocator:
+    """Page size 1: ``free`` takes token slots (= pages); what reaches it is recorded."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size, self.page_size, self.device, self.freed = size, 1, "cpu", []
+
+    def free(self, index: Any) -> None:
+        self.freed.extend(index.tolist())
+
+
+def receiver(room: int, ranks: int = 1) -> Any:
+    sent: list[int] = []
+    rec = SimpleNamespace(bootstrap_room=room, bootstrap_infos=[{"rank": r} for r in range(ranks)],
+                          bootstrap_addr="127.0.0.1:8998", abort_notified=False, sent=sent)
+    rec._send_abort_notification = lambda: sent.append(room)
+    return rec
+
+
+@pytest.fixture(params=["0.5.19", "0.5.23"])
+def lifecycle(request: pytest.FixtureRequest, trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return load(trees[request.param], monkeypatch)
+
+
+def test_every_05_series_from_0519_carries_the_module() -> None:
+    assert PINS
+    for pin in PINS:
+        assert any(MODULE in p.targets for p in P.load_series(pin, P.default_patches_dir())), pin
+    assert not any(MODULE in p.targets for p in P.load_series("0.5.18", P.default_patches_dir()))
+
+
+def test_pages_of_a_transfer_still_writing_stay_out_until_every_rank_acks(lifecycle: ModuleType) -> None:
+    alloc, rec = Allocator(), receiver(7, ranks=2)
+    lifecycle.note_published(alloc, rec, [5, 6, 7])
+    passed = lifecycle.pages_to_free(alloc, torch.tensor([5, 6, 7, 40]))
+    assert passed.tolist() == [40]  # page 40 was never handed to a transfer
+    assert lifecycle.quarantined_pages() == 3
+    assert lifecycle.held_tokens() == 3  # SGLang's idle pool check counts them as held, not leaked
+    assert rec.sent == [7]  # prefill was asked for its drain acknowledgement
+    lifecycle.release_drained()
+    assert alloc.freed == []  # no acknowledgement yet; time alone never releases
+    lifecycle.note_ack(7, 0)
+    lifecycle.release_drained()
+    assert alloc.freed == []  # one of two prefill ranks
+    lifecycle.note_ack(7, 1)
+    lifecycle.release_drained()
+    assert sorted(alloc.freed) == [5, 6, 7] and lifecycle.quarantined_pages() == 0
+    assert lifecycle.pages_to_free(alloc, torch.tensor([5, 6, 7])).tolist() == [5, 6, 7]  # plain free pages now
+
+
+def test_committed_transfers_free_at_once(lifecycle: ModuleType) -> None:
+    alloc = Allocator()
+    lifecycle.note_published(alloc, receiver(8), [1, 2])
+    lifecycle.note_committed(SimpleNamespace(bootstrap_room=8))
+    assert lifecycle.pages_to_free(alloc, torch.tensor([1, 2])).tolist() == [1, 2]
+    assert lifecycle.quarantined_pages() == 0
+
+
+def test_a_gone_sender_releases_its_pages(lifecycle: ModuleType) -> None:
+    alloc = Allocator()
+    lifecycle.note_published(alloc, receiver(9), [3, 4])
+    assert lifecycle.pages_to_free(alloc, torch.tensor([3, 4])).tolist() == []
+    lifecycle.note_sender_gone("127.0.0.1:8998")
+    lifecycle.release_drained()
+    assert sorted(alloc.freed) == [3, 4]
+
+
+def test_paged_release_keeps_quarantined_page_ids_back(lifecycle: ModuleType) -> None:
+    alloc = Allocator()
+    alloc.page_size = 16
+    lifecycle.note_published(alloc, receiver(10), [2, 3])
+    first, second = lifecycle.page_ids_to_free(alloc, (torch.tensor([2]), torch.tensor([3, 1])))
+    assert first.tolist() == [] and second.tolist() == [1]
+
+
+def test_log_mode_frees_and_off_keeps_no_ledger(trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    logged = load(trees["0.5.23"], monkeypatch, "log")
+    alloc = Allocator()
+    logged.note_published(alloc, receiver(11), [5, 6])
+    assert logged.pages_to_free(alloc, torch.tensor([5, 6])).tolist() == [5, 6]
+    off = load(trees["0.5.23"], monkeypatch, "off")
+    off.note_published(alloc, receiver(12), [5, 6])
+    assert off.NODE is None and off.deferred_release(False) is False
+    assert logged.deferred_release(False) is True
+
+
+def test_prefill_holds_the_ack_of_a_failed_write_for_its_lifetime(trees: dict[str, Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    lifecycle = load(trees["0.5.23"], monkeypatch, lifetime="0.3")
+    sent: list[int] = []
+    assert lifecycle.ack_deferred(21, lambda: sent.append(21)) is False  # no failed write: ack now
+    assert lifecycle.note_failed_write(22) is True  # the caller keeps the ack target
+    assert lifecycle.ack_deferred(22, lambda: sent.append(22)) is True
+    deadline = time.monotonic() + 5
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sent == [22]  # the timer sent it again once the lifetime passed
+    assert lifecycle.ack_deferred(22, lambda: None) is False
+
+
+def test_lifetime_zero_never_acks_a_failed_write_and_bad_values_refuse_to_start(
+        trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    forever = load(trees["0.5.23"], monkeypatch, lifetime="0")
+    forever.note_failed_write(23)
+    assert forever.ack_deferred(23, lambda: None) is True
+    with pytest.raises(ValueError, match="SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"):
+        load(trees["0.5.23"], monkeypatch, lifetime="soon")
+    with pytest.raises(ValueError, match="SGLANG_HARDEN_LIFECYCLE"):
+        load(trees["0.5.23"], monkeypatch, mode="sometimes")
+
+
+def test_doctor_sees_the_quarantine_only_on_patched_trees(trees: dict[str, Path], tmp_path: Path) -> None:
+    for pin, tree in trees.items():
+        assert detect_page_quarantine(SourceTree(tree)).status == "yes", pin
+        assert detect_page_quarantine(SourceTree(make_tree(pin, tmp_path / pin))).status == "no", pin
