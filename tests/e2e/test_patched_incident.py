@@ -56,7 +56,7 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.18", "0.5.19", "0.5.22", "0.5.23"]  # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins
+PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]  # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins
 BACKENDS = ["mooncake", "nixl"]
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
