@@ -36,7 +36,7 @@ COMMIT_0510 = "        # Case 3: Success - commit the transfer\n"
 SEND_METADATA_0510 = ("            decode_req.kv_receiver.send_metadata(\n"
                       "                page_indices, decode_req.metadata_buffer_index, state_indices\n"
                       "            )\n")
-ALLOCATOR_0510 = "sglang/srt/mem_cache/allocator.py"
+ALLOCATOR_0510 = ALLOC_TOKEN.rsplit("/", 1)[0] + ".py"  # mem_cache/allocator.py: one module before the 0.5.13 split
 
 IS_ABORTED_0510 = '''
 
