@@ -56,7 +56,8 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.18", "0.5.19", "0.5.22", "0.5.23"]  # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins
+# CI runs the pins it builds (0.5.19, 0.5.23); others: --pins. 0.5.10.post1 and 0.5.18: patch path only.
+PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
@@ -295,7 +296,7 @@ def test_audit_flags_asymmetric_pools(incident: Any, pin: str) -> None:
 def test_probe_fails_on_vanilla_leaking_pair(incident: Any, pin: str) -> None:
     if load_pins()[pin].incident != "leak":
         pytest.skip(f"vanilla {pin} refuses B at prefill (0.5.20+), so its pair does not leak here and probe passes "
-                    "(measured on 0.5.22); the leaking vanilla pairs are 0.5.18's and 0.5.19's")
+                    "(measured on 0.5.22); the leaking vanilla pairs are 0.5.10.post1's, 0.5.18's and 0.5.19's")
     code, data = _tool(incident, pin, "probe")
     assert code == 1, data
     probes = probe_results(data)

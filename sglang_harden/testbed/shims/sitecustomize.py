@@ -110,6 +110,19 @@ def sgl_kernel_kvcacheio_stub() -> None:
 
 
 @shim
+def sgl_kernel_kvcacheio_stub_0510() -> None:
+    """0.5.10's memory_pool_host.py imports the whole KV-cache I/O family at module level (used only with
+    --enable-hierarchical-cache); 0.5.1x guards that import behind CUDA."""
+    _stubs.add("sgl_kernel", set())
+    _stubs.add("sgl_kernel.kvcacheio", {
+        "transfer_kv_all_layer", "transfer_kv_all_layer_direct_lf_pf", "transfer_kv_all_layer_lf_pf",
+        "transfer_kv_all_layer_lf_ph", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_mla_lf_pf",
+        "transfer_kv_direct", "transfer_kv_per_layer", "transfer_kv_per_layer_direct_pf_lf",
+        "transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla_pf_lf", "transfer_kv_per_layer_pf_lf",
+        "transfer_kv_per_layer_ph_lf"})
+
+
+@shim
 def vllm_custom_ops_stub() -> None:
     """0.4.x imports ``vllm._custom_ops.scaled_fp8_quant``; stub only that (a whole fake vllm misleads SGLang)."""
     _stubs.add("vllm", set())
