@@ -63,6 +63,7 @@ COVMOD = _SG.source_file(f"{_SG.PD}.common.pd_coverage")
 SCHED = _SG.source_file(_SG.SCHEDULER)
 TOKENIZER = _SG.source_file(_SG.TOKENIZER)
 MOONCAKE = _SG.source_file(_SG.MOONCAKE)
+NIXL = _SG.source_file(_SG.NIXL)
 PAGETAGMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_page_tags")
 CANARYMOD = _SG.source_file(f"{_SG.PD}.common.pd_canary")
 LIFECYCLEMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_lifecycle")
@@ -475,8 +476,8 @@ page still being written whose writers have not drained (quarantine) and ask pre
 acknowledgement (abort notice); the pages leave quarantine in pop_transferred once every prefill rank
 acknowledged (note_abort_ack) or the prefill node is known gone (_handle_node_failure), never on a
 timeout. Prefill holds the acknowledgement of a room whose KV write the transport gave up on (Mooncake's
-failed engine call; poison_deferred_ack_room where the release has it, which no longer drops the
-acknowledgement target) until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself)
+failed engine call, a failed NIXL post; poison_deferred_ack_room where the release has it, which no
+longer drops the acknowledgement target) until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself)
 passed since the failure. The idle pool check counts quarantined pages as held, not leaked. Deferred
 decode KV release (prefill's drain acknowledgements) is turned on
 on both roles. SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a plugin server.
@@ -534,6 +535,16 @@ ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND) 
     (CONN, POISON_0522, POISON_0522 +
      "        if pd_lifecycle.note_failed_write(room):\n"
      "            return  # sglang-harden backport: keep the ACK target; the ACK waits for the write's lifetime\n"),
+]
+
+
+NIXL_FAILED_POST = "                self.exceptions[room] = e\n"
+# A failed NIXL post (the transfer worker's exception path) may leave handles writing; 0.5.22 acks the room once NIXL
+# says every handle settled, 0.5.19-0.5.21 never (the chunk stays counted). 0.5.23 "poisons" such a room instead.
+NIXL_EDITS = [
+    (NIXL, "from sglang.srt.disaggregation.utils import (\n", LIFECYCLE_IMPORT + "from sglang.srt.disaggregation.utils import (\n"),
+    (NIXL, NIXL_FAILED_POST, NIXL_FAILED_POST +
+     "                pd_lifecycle.note_failed_write(room)  # sglang-harden backport: its writes may still land\n"),
 ]
 
 

@@ -118,5 +118,5 @@ PATCHES = [
     ("authenticate-control-plane", H_AUTH, auth_edits()),
     page_tags_patch(" " * 12),
     canary_patch(" " * 12),
-    lifecycle_patch(" " * 12, ACK_EDITS_0519),
+    lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS),
 ]

@@ -25,5 +25,5 @@ PATCHES = [
     _by_name["authenticate-control-plane"],
     page_tags_patch(" " * 8),  # the send_metadata call moved into _send_kv_metadata
     canary_patch(" " * 8),
-    lifecycle_patch(" " * 8, ACK_EDITS_0519),
+    lifecycle_patch(" " * 8, ACK_EDITS_0519 + NIXL_EDITS),
 ]

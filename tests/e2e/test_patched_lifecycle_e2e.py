@@ -31,7 +31,9 @@ pytestmark = pytest.mark.e2e
 
 PINS = ["0.5.19", "0.5.22", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
-CASES = [f"{pin}/{backend}" for pin in PINS for backend in BACKENDS if backend in get_recipe(pin).transfer_backends]
+PROFILES = ["minimal", "paged16"]  # CI runs paged16 (16-token pages, radix cache, chunked prefill); --profiles all
+CASES = [f"{pin}/{backend}/{profile}" for profile in PROFILES for pin in PINS for backend in BACKENDS
+         if backend in get_recipe(pin).transfer_backends]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -42,10 +44,10 @@ def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> s
 
 @pytest.fixture(scope="module")
 def result(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    version, backend = pin.split("/")
-    root: Path = tmp_path_factory.mktemp(f"patched-latewrite-{version}-{backend}")
+    version, backend, profile = pin.split("/")
+    root: Path = tmp_path_factory.mktemp(f"patched-latewrite-{version}-{backend}-{profile}")
     tree = patched_tree(version, root / "tree")
-    return run_late_write(version, False, root / "patched", setup_for("minimal", backend), tree=tree)
+    return run_late_write(version, False, root / "patched", setup_for(profile, backend), tree=tree)
 
 
 def _brief(res: dict[str, Any]) -> str:
