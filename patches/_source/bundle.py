@@ -7,7 +7,8 @@
 - an import of another sglang_harden module must name something an earlier module of the bundle defines at top
   level (or one of ``provided``, defined by the text around the bundle); ``import x as y`` becomes ``y = x``;
 - a top-level name two modules define (each guard's ``GUARD``) is renamed in the earlier one, where every use of
-  it is that module's own.
+  it is that module's own;
+- the plugin's logger (``logging.getLogger("sglang_harden")``) becomes the patched module's own.
 
 So the guard logic a patched server runs is the plugin's, generated, never copied by hand.
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "sglang_harden"
+PLUGIN_LOGGER = 'logging.getLogger("sglang_harden")'  # a bundled module logs under the patched module's name
+MODULE_LOGGER = "logging.getLogger(__name__)"
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
@@ -108,7 +111,7 @@ def bundle(paths: tuple[str, ...], provided: tuple[str, ...] = ()) -> str:
         dropped = _dropped_lines(tree)
         kept = "".join(line for number, line in enumerate(text.splitlines(keepends=True), start=1)
                        if number not in dropped)
-        body = _rename(kept, renames).strip("\n")
+        body = _rename(kept, renames).strip("\n").replace(PLUGIN_LOGGER, MODULE_LOGGER)
         renamed = ", ".join(f"{a} as {b}" for a, b in renames.items())
         header = f"# ---- sglang-harden's {rel.removeprefix(PACKAGE + '/')}" + (f" ({renamed})" if renames else "")
         parts.append("\n".join([header, *aliases, "", body]))

@@ -68,6 +68,7 @@ PAGETAGMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_page_tags")
 CANARYMOD = _SG.source_file(f"{_SG.PD}.common.pd_canary")
 LIFECYCLEMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_lifecycle")
 INVARIANTS = _SG.source_file(_SG.INVARIANTS)
+DIGESTMOD = _SG.source_file(f"{_SG.PD}.common.pd_digest")
 ALLOC_TOKEN = _SG.source_file(_SG.ALLOC_TOKEN)
 ALLOC_PAGED = _SG.source_file(_SG.ALLOC_PAGED)
 
@@ -585,4 +586,55 @@ def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
         (MOONCAKE, MOONCAKE_FAILED_SEND, MOONCAKE_FAILED_SEND.replace(
             "if ret != 0:\n", "if ret != 0:\n                            pd_lifecycle.note_failed_write(kv_chunk.room)"
             "  # sglang-harden backport\n")),
+    ])
+
+
+H_DIGEST = """\
+sglang-harden backport: per-transfer KV digest (decode commits only the bytes prefill sent)
+
+What: a new module disaggregation/common/pd_digest.py (sglang-harden's own digest, wire format,
+digest board and client, generated into it). On the last chunk, send_kv_chunk digests, per KV head,
+the request's KV rows this prefill rank sends (decode's cached prefix to the end) and a background
+thread posts the packed shard to the rank's own bootstrap server, which keeps a bounded board of
+them (PUT /sglang_harden/digest from this host only; GET /sglang_harden/digests?room=R and the feed
+GET /sglang_harden/digest_feed, authenticated by the control-plane patch's secret like every route).
+Before _commit_transfer_to_req commits (after the coverage, page-tag and canary checks), decode
+fetches the room's shards (waiting up to SGLANG_HARDEN_CHECKSUM_WAIT_MS, default 5000), digests the
+rows at its own slots and compares per head; its TP ranks agree. A mismatch, or a publishing prefill
+whose digest never arrives, aborts the request with 500. A prefill that publishes nothing (no route:
+404, or its checksum off) is not compared. SGLANG_HARDEN_CHECKSUM=enforce (default) | log | off, as
+on a plugin server; the routes and the digest are the plugin's, so patched and plugin nodes mix.
+
+Why: the coverage check counts tokens, the page tags check which pages and the canary that each page
+was written; none of them looks at the bytes. A transfer that delivers wrong bytes (a flipped bit, a
+late write from another request landing first, source pages reused while they were read) would be
+decoded as if it were this request's prompt.
+Both sides must carry this patch for the check to run: a decode with it skips (logs) transfers from a
+prefill without it.
+"""
+
+DIGEST_IMPORT = "from sglang.srt.disaggregation.common import pd_digest\n"
+PD_DIGEST = with_bundle("pd_digest.py", ("StrEnum", "signing"))
+COVERAGE_IMPORT_PREFILL = "from sglang.srt.disaggregation.common.pd_coverage import COVERAGE_SLOT, encode_coverage\n"
+DIGEST_PUBLISH = ("            # sglang-harden backport: this rank's digest of the KV it sends (kv digest).\n"
+                  "            pd_digest.publish_before_final_send(self, req, end_idx)\n")
+DIGEST_CHECK_CALL = commit_refusal_block(
+    "the received KV rows must digest to what prefill sent.", "digest_refusal",
+    "pd_digest.refusal_at_commit(\n                decode_req.req, self.scheduler, decode_req.kv_receiver, self.gloo_group\n"
+    "            )", "KV digest")
+REJECTION_ROUTES = "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n"
+
+
+def digest_patch() -> tuple[str, str, list]:
+    """The KV digest patch of the 0.5.19+ series."""
+    return ("kv-digest", H_DIGEST, [
+        (DIGESTMOD, None, PD_DIGEST),
+        (PREFILL, COVERAGE_IMPORT_PREFILL, COVERAGE_IMPORT_PREFILL + DIGEST_IMPORT),
+        (PREFILL, COVERAGE_PUBLISH, COVERAGE_PUBLISH + DIGEST_PUBLISH),
+        (CONN, "from sglang.srt.disaggregation.utils import (\n",
+         DIGEST_IMPORT + "from sglang.srt.disaggregation.utils import (\n"),
+        (CONN, REJECTION_ROUTES, REJECTION_ROUTES +
+         "        pd_digest.add_routes(self.app)  # sglang-harden backport: the KV digest board\n"),
+        (DECODE, "from sglang.srt.environ import envs\n", DIGEST_IMPORT + "from sglang.srt.environ import envs\n"),
+        (DECODE, COMMIT_ANCHOR, DIGEST_CHECK_CALL + COMMIT_ANCHOR),
     ])

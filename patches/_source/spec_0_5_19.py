@@ -119,4 +119,5 @@ PATCHES = [
     page_tags_patch(" " * 12),
     canary_patch(" " * 12),
     lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS),
+    digest_patch(),
 ]

@@ -29,4 +29,5 @@ PATCHES = [
     _by_name["page-ownership-tags"],
     _by_name["kv-canary"],
     _by_name["page-lifecycle"],
+    _by_name["kv-digest"],
 ]

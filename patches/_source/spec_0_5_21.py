@@ -26,4 +26,5 @@ PATCHES = [
     page_tags_patch(" " * 8),  # the send_metadata call moved into _send_kv_metadata
     canary_patch(" " * 8),
     lifecycle_patch(" " * 8, ACK_EDITS_0519 + NIXL_EDITS),
+    digest_patch(),
 ]

@@ -134,7 +134,30 @@ def _length_compare(ref: FuncRef) -> ast.If | None:
     return None
 
 
+_DIGEST_RE = re.compile(r"digest", re.I)
+
+
+def _backported_digest(tree: SourceTree) -> Native | None:
+    """The backport series' digest: decode's commit path aborts on a digest verdict (``pd_digest``), on by default;
+    None when the commit path has no such check."""
+    commit = tree.function(*COMMIT)
+    if commit is None:
+        return None
+    check = next((hit for ref in tree.reachable(commit, depth=1)
+                  if (hit := aborting_if(ref, _DIGEST_RE)) is not None), None)
+    if check is None:
+        return None
+    evidence = [line_of(commit, check)]
+    prefill = tree.module(PREFILL)
+    if prefill is None or not any(_DIGEST_RE.search(call_name(c)) for c in calls(prefill)):
+        return Native(PARTIAL, "decode verifies a KV digest but prefill publishes none", evidence)
+    return Native(YES, "decode verifies the KV digest prefill publishes (on by default)", evidence)
+
+
 def detect_kv_checksum(tree: SourceTree) -> Native:
+    backport = _backported_digest(tree)
+    if backport is not None:
+        return backport
     decode_tree = tree.module(DECODE)
     if decode_tree is None:
         return Native(UNKNOWN, "disaggregation/decode.py not found")

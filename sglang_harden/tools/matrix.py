@@ -35,6 +35,7 @@ PATCH_GUARDS = {  # a backport patch's name (after its number) -> the guard it g
     "page-ownership-tags": "page_tags",
     "kv-canary": "canary",
     "page-lifecycle": "lifecycle",
+    "kv-digest": "checksum",
 }
 # Guards upstream SGLang has itself (on by default) from a release on: (doctor's protection key, first release).
 # tests/integration/test_doctor_wheels.py checks each supported pin's code agrees.

@@ -58,6 +58,7 @@ pytestmark = pytest.mark.e2e
 
 # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins. 0.5.10.post1 and 0.5.18: patch path only.
 PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]
+DIGEST_PINS = ["0.5.19", "0.5.22", "0.5.23"]  # the series with the kv-digest patch (of PINS)
 BACKENDS = ["mooncake", "nixl"]
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
@@ -72,7 +73,10 @@ TABLE_ROOM = 991_000_001
 # below makes one) leaves out its last page and still reports success (``unwritten`` fault, prefill side): decode's
 # last reserved page keeps what it held, the incident's stale page.
 UNWRITTEN_LEN = 37
-FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"table:{TABLE_ROOM},unwritten:{UNWRITTEN_LEN}"}
+# ... and the request in this room gets one bit of one received KV row flipped right before decode commits its
+# transfer (``flip`` fault, decode side): a transfer that delivered wrong bytes.
+FLIP_ROOM = 991_000_002
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"table:{TABLE_ROOM},unwritten:{UNWRITTEN_LEN},flip:{FLIP_ROOM}"}
 _runs: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -118,16 +122,22 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
         front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant == "patched" else None
         tools = _operator_tools(pair) if variant == "vanilla" else {}
         unwritten = _unwritten_page(pair) if faulty else None
+        flipped = _flipped_bit(pair) if faulty else None
         table = _mis_owned_page(pair) if faulty else None
         logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
     finally:
         pair.stop()
     return {"rounds": rounds, "logs": logs, "tools": tools, "attacks": attacks, "front_door": front_door,
-            "table": table, "unwritten": unwritten, **_table_evidence(log_dir / "kvtrace")}
+            "table": table, "unwritten": unwritten, "flipped": flipped, **_table_evidence(log_dir / "kvtrace")}
 
 
 def _unwritten_page(pair: PDPair) -> PairResult:
     return pair.generate(greedy_body(tenant_a_prompt(9, UNWRITTEN_LEN), 8, rid="unwritten-page"),
+                         timeout=SETUP.waiting_timeout_s + 120)
+
+
+def _flipped_bit(pair: PDPair) -> PairResult:
+    return pair.generate(greedy_body(tenant_a_prompt(33, 90), 8, rid="flipped-bit"), room=FLIP_ROOM,
                          timeout=SETUP.waiting_timeout_s + 120)
 
 
@@ -143,7 +153,8 @@ def _table_evidence(trace_dir: Path) -> dict[str, Any]:
               for line in path.read_text().splitlines() if line.strip()]
     first = next((e for e in read_kvtrace(trace_dir) if e.get("event") == "first_decode"
                   and e.get("rid") == "table-fault"), None)
-    return {"table_fault": [f for f in faults if f.get("event") == "table_fault"], "table_first_decode": first}
+    return {"table_fault": [f for f in faults if f.get("event") == "table_fault"], "table_first_decode": first,
+            "flips": [f for f in faults if f.get("event") == "flip"]}
 
 
 def _attack(pair: PDPair) -> list[tuple[str, int]]:
@@ -346,6 +357,28 @@ def test_patched_canary_refuses_an_unwritten_page(incident: Any, pin: str, backe
     assert p.status == 500 and not p.output_ids, p.summary()
     assert "canary check failed" in p.error_message() and "never written" in p.error_message(), p.summary()
     assert "sglang-harden canary abort: rid=unwritten-page" in patched["logs"]["decode"]
+
+
+@pytest.mark.proves("patch", "checksum")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_digest_refuses_a_flipped_bit(incident: Any, pin: str, backend: str) -> None:
+    """One bit of one received KV row is flipped right before decode commits (every page written, the count and
+    the owners right). Vanilla decodes over the wrong byte; the patched decode's digest of its rows differs from the
+    one prefill posted for the rows it sent, and the request gets 500 before its first decode step."""
+    if pin not in DIGEST_PINS:
+        pytest.skip(f"the {pin} series has no kv-digest patch (0.5.19+)")
+    vanilla, patched = incident(pin, "vanilla"), incident(pin, _patched_variant(backend))
+    assert vanilla["flipped"].decode.status == 200 and vanilla["flipped"].decode.output_ids, vanilla["flipped"].decode
+    assert [f["rid"] for f in vanilla["flips"]] == ["flipped-bit"], vanilla["flips"]  # the fault was applied
+    assert [f["rid"] for f in patched["flips"]] == ["flipped-bit"], patched["flips"]
+    p = patched["flipped"].decode
+    assert p.status == 500 and not p.output_ids, p.summary()
+    assert "KV digest check failed" in p.error_message() and "KV digest mismatch" in p.error_message(), p.summary()
+    assert "sglang-harden checksum abort: rid=flipped-bit" in patched["logs"]["decode"]
+    clean = [r.a.decode for r in patched["rounds"]]
+    assert all(a.ok for a in clean), [a.summary() for a in clean]  # every clean transfer verified and served
+    assert "sglang-harden checksum skip" not in patched["logs"]["decode"], "a clean transfer was not compared"
 
 
 @pytest.mark.proves("patch", "admission")

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
-from sglang_harden.compat import kv_digest  # noqa: E402
+from sglang_harden.compat import digest_pool, kv_digest  # noqa: E402
 from sglang_harden.guards import checksum  # noqa: E402
 from sglang_harden.guards.base import Verdict  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_attention_tp_position_is_read_where_the_pin_keeps_it(monkeypatch: pytes
     assert kv_digest._tp_coordinates(plain) == (1, 2)
     layout = kv_digest.pool_layout(_scheduler(pool, [], rank=1, size=2))[0]
     assert layout is not None and list(layout.heads) == list(range(HEADS // 2, HEADS))
-    monkeypatch.setattr(kv_digest, "_parallel_context", lambda: None)  # as in a process that never set it up
+    monkeypatch.setattr(digest_pool, "_parallel_context", lambda: None)  # as in a process that never set it up
     unknown = _scheduler(pool, [], rank=1, size=2)
     del unknown.ps
     layout, _, _, reason = kv_digest.pool_layout(unknown)
@@ -103,7 +103,7 @@ def test_attention_tp_position_is_read_where_the_pin_keeps_it(monkeypatch: pytes
     del full.ps
     layout = kv_digest.pool_layout(full)[0]  # all heads here: no position needed
     assert layout is not None and list(layout.heads) == list(range(HEADS))
-    monkeypatch.setattr(kv_digest, "_parallel_context", lambda: plain)  # 0.5.21+: runtime_context
+    monkeypatch.setattr(digest_pool, "_parallel_context", lambda: plain)  # 0.5.21+: runtime_context
     assert kv_digest._tp_coordinates(unknown) == (1, 2)
 
 

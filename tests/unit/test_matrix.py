@@ -39,7 +39,9 @@ def test_cells_say_e2e_static_or_absent(tmp_path: Path) -> None:
     cols = ["pin", *matrix.COLUMNS]
     row = dict(zip(cols, [c.strip() for c in rows["0.5.23"].strip("|").split("|")], strict=True))
     assert row["lifecycle"] == "e2e / static", "the plugin proved it; the 0.5.23 series patches it, not run here"
-    assert row["checksum"] == "static / -", "no series has a KV digest patch"
+    assert row["checksum"] == "static / static", "hooked by the plugin and patched by the series, neither run here"
+    old_row = dict(zip(cols, [c.strip() for c in rows["0.5.18"].strip("|").split("|")], strict=True))
+    assert old_row["checksum"] == "- / -" and old_row["lifecycle"] == "- / -", "no digest or lifecycle patch on 0.5.18"
     assert row["coverage"] == "static / e2e"
     assert row["bootstrap_auth"] == "static / static"
     assert row["admission"] == "static / upstream" and row["retire"] == "static / upstream"

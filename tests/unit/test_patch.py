@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import py_compile
+import re
 import shutil
 import subprocess
 import sys
@@ -124,7 +125,9 @@ def test_series_files_are_well_formed(pin: str) -> None:
         assert "What:" in text and "Why:" in text, f"{patch.name}: header must say what and why"
         assert patch.targets and all(t.startswith("sglang/") for t in patch.targets)
         added = [line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
-        assert not any("sglang_harden" in line for line in added), f"{patch.name} imports the plugin"
+        imports = re.compile(r"^\s*(from|import)\s+sglang_harden\b|importlib\.import_module\(.sglang_harden")
+        assert not any(imports.search(line) for line in added), f"{patch.name} imports the plugin"
+        # (the digest board's routes, /sglang_harden/..., are the plugin's wire format, and so in the series too)
 
 
 @pytest.mark.parametrize("pin", PINS)

@@ -58,6 +58,7 @@ def _flip_one_bit(queue: Any, req: Any) -> None:
     row = pool.k_buffer[0][slot]
     raw = row.view(torch.uint8).reshape(-1)
     raw[0] ^= 1
+    append_trace_line("kvfault", {"event": "flip", "rid": req.rid, "room": int(req.bootstrap_room), "slot": slot})
 
 
 def _stale_free_page(scheduler: Any, page_size: int) -> int:

@@ -1,0 +1,260 @@
+"""Per-transfer KV digest (sglang-harden backport, not upstream SGLang code).
+
+Invariant (sglang-harden's checksum guard): decode commits a transfer only if the KV rows it received digest, per
+KV head, to what prefill digested over the rows it sent; a mismatch (a flipped bit, a row written by someone else,
+a page left out) aborts the request with 500 before its first decode step. A publishing prefill whose digest does
+not arrive in time leaves nothing to verify against: decode refuses the request (fails closed).
+
+- ``publish_before_final_send`` (prefill, ``send_kv_chunk`` on the last chunk): this rank digests the request's KV
+  rows for the range it sends (decode's cached prefix to the end) and a background thread posts the packed shard to
+  its own bootstrap server (or a notice of why there is none);
+- ``add_routes`` (the bootstrap server): ``PUT /sglang_harden/digest`` (this host only), ``GET
+  /sglang_harden/digests?room=R`` and the feed ``GET /sglang_harden/digest_feed``, the plugin's routes; with the
+  control-plane patch's secret every route and request is authenticated like the rest;
+- ``refusal_at_commit`` (decode, before ``_commit_transfer_to_req`` commits): fetch the room's shards from prefill's
+  bootstrap server (waiting up to ``SGLANG_HARDEN_CHECKSUM_WAIT_MS``, default 5000), digest its own rows, compare
+  per head; decode's TP ranks agree (any rank's refusal aborts on all).
+
+The digest, the wire format, the board, the client and the comparison are sglang-harden's own code
+(``kernels/digest_spec.py``, ``kernels/digest_torch.py``, ``guards/checksum.py``, ``compat/digest_pool.py``,
+``compat/digest_board.py``, ``compat/digest_channel.py``), put in below when the series is generated, so patched
+and plugin nodes check each other's transfers. ``SGLANG_HARDEN_CHECKSUM``: ``enforce`` (default), ``log`` (log a
+refusal, decode anyway), ``off`` (no digest published or checked). Any other value refuses to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from enum import Enum
+
+logger = logging.getLogger(__name__)
+
+MODE_ENV = "SGLANG_HARDEN_CHECKSUM"
+WAIT_ENV = "SGLANG_HARDEN_CHECKSUM_WAIT_MS"
+BODY_LIMIT = 256 * 1024
+
+
+def _auth_headers(method: str, target: str, body: object) -> dict:
+    """The control-plane patch's token for one request to a bootstrap server ({} without a secret)."""
+    from sglang.srt.disaggregation.common import pd_auth
+
+    return pd_auth.headers(method, target, body)
+
+
+class _Signing:
+    """sglang-harden's ``compat.signing`` here: one kept-alive client whose requests carry pd_auth's token."""
+
+    @property
+    def CLIENT(self) -> object:  # noqa: N802 - the plugin module's name
+        return SideChannelClient(_auth_headers)
+
+
+signing = _Signing()
+
+# <prelude>
+
+
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/kernels/digest_ref.py sglang_harden/kernels/digest_torch.py sglang_harden/guards/checksum.py sglang_harden/compat/digest_pool.py sglang_harden/compat/digest_board.py sglang_harden/channels/http_client.py sglang_harden/compat/digest_channel.py>
+
+
+# ---- the backport's own glue: SGLang's objects in, the guard's decisions out
+
+log = logging.getLogger(__name__)
+MODE = mode_from_env(MODE_ENV)
+
+
+def _wait_s_from_env() -> float:
+    raw = os.environ.get(WAIT_ENV, "").strip() or "5000"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{WAIT_ENV}={raw!r}: expected milliseconds") from None
+    if value <= 0:
+        raise ValueError(f"{WAIT_ENV}={raw!r}: must be positive")
+    return value / 1000
+
+
+WAIT_S = _wait_s_from_env()
+PUBLISHER: DigestPublisher | None = None
+
+
+def _pool_row(req: Any) -> int:
+    kv = getattr(req, "kv", None)
+    row = getattr(kv, "req_pool_idx", None) if kv is not None else None
+    return int(row if row is not None else req.req_pool_idx)
+
+
+def _digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDigest | None, str]:
+    """This rank's digest of ``req_to_token[row, start:end]``'s KV rows (the torch path of the plugin's kernels)."""
+    layout, k_buffers, v_buffers, reason = pool_layout(scheduler)
+    if layout is None:
+        return None, reason
+    slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
+    digests = digest_torch(k_buffers, v_buffers, slots, layout, start)
+    return ShardDigest(layout, start, len(slots), digests, _tp_rank(scheduler)), ""
+
+
+def _local_bootstrap_url(scheduler: Any) -> str:
+    host = str(scheduler.server_args.host)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
+
+
+# ---- prefill
+
+
+def publish_before_final_send(scheduler: Any, req: Any, end_idx: Any) -> None:
+    """On the last chunk: publish this rank's digest of every row the request sends, or why there is none."""
+    global PUBLISHER
+
+    room = getattr(req, "bootstrap_room", None)
+    if MODE == "off" or room is None:
+        return
+    if PUBLISHER is None:
+        PUBLISHER = DigestPublisher(_local_bootstrap_url(scheduler))
+    code = NOTICE_NOT_DIGESTIBLE
+    try:
+        start = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
+        shard, reason = _digest_rows(scheduler, _pool_row(req), start, int(end_idx))
+    except Exception as exc:  # noqa: BLE001 - never break a send; decode is told and refuses the request
+        shard, reason, code = None, f"digest failed: {exc!r}", NOTICE_FAILED
+    if shard is None:
+        log.warning("sglang-harden checksum: no KV digest for request %s: %s", req.rid, reason)
+        rank = _tp_rank(scheduler)
+        PUBLISHER.publish(PublishedShard(int(room), rank, tuple(pack_notice(rank, code))))
+    else:
+        PUBLISHER.publish(PublishedShard(int(room), shard.rank, tuple(pack_shard(shard))))
+
+
+# ---- prefill's bootstrap server
+
+
+def add_routes(app: Any) -> None:
+    """The digest board's routes on the bootstrap server's aiohttp app."""
+    app.router.add_route("PUT", DIGEST_PATH, _handle_put)
+    app.router.add_route("GET", DIGESTS_PATH, _handle_digests)
+    app.router.add_route("GET", FEED_PATH, _handle_feed)
+
+
+async def _handle_put(request: Any) -> Any:
+    from aiohttp import web
+
+    from sglang.srt.disaggregation.common.pd_rejections import request_from_this_host
+
+    if not request_from_this_host(request):
+        return web.json_response({"error": "digests are accepted from this host only"}, status=403)
+    body = await request.read()
+    if len(body) > BODY_LIMIT:
+        return web.json_response({"error": f"digests: body over {BODY_LIMIT} bytes"}, status=413)
+    try:
+        shard = parse_digest_body(body)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    post_and_signal(shard)
+    return web.json_response({"ok": True})
+
+
+async def _handle_digests(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        room = int(request.query.get("room", ""))
+    except ValueError:
+        return web.json_response({"error": "room must be an integer"}, status=400)
+    return web.json_response(digests_payload(room, MODE != "off"))
+
+
+async def _handle_feed(request: Any) -> Any:
+    from aiohttp import web
+
+    try:
+        ask = parse_feed_query(dict(request.query))
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    if not feed_has_news(ask) and ask.wait_s > 0:
+        await POSTED.wait(ask.wait_s)
+    return web.json_response(feed_payload(ask, MODE != "off"))
+
+
+# ---- decode
+
+
+def refusal_at_commit(req: Any, scheduler: Any, receiver: Any, group: Any) -> str | None:
+    """The message to abort ``req`` with before its transfer is committed (enforce mode), else None."""
+    if MODE == "off":
+        return None
+    rid = str(req.rid)
+    try:
+        local = _compare_with_prefill(req, scheduler, str(getattr(receiver, "bootstrap_addr", "")))
+    except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed, on this rank and so on all
+        local = _unverifiable(rid, repr(exc))
+    decision = _agreed(group, local, rid)
+    if decision.verdict is Verdict.SKIP:
+        log.warning("sglang-harden checksum skip: rid=%s room=%s: %s", rid, req.bootstrap_room, decision.reason)
+        return None
+    if decision.allows:
+        return None
+    log.error("sglang-harden checksum %s: rid=%s room=%s: %s", "abort" if MODE == "enforce" else
+              "abort_logged (log mode: decoding anyway)", rid, req.bootstrap_room, decision.reason)
+    return decision.reason if MODE == "enforce" else None
+
+
+def _compare_with_prefill(req: Any, scheduler: Any, addr: str) -> Decision:
+    rid = str(req.rid)
+    layout, _, _, reason = pool_layout(scheduler)
+    if layout is None:
+        return _not_comparable(rid, reason)
+    mine = set(layout.heads)
+
+    def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
+        covered = {h for s in _unpacked(shards) for h in s.layout.heads}
+        return bool(_notices(shards)) or mine <= covered
+
+    fetched = fetch_digests(addr, int(req.bootstrap_room), WAIT_S, decidable)
+    notices = _notices(fetched.shards)
+    if notices:
+        failed = sorted(rank for rank, code in notices.items() if code != NOTICE_NOT_DIGESTIBLE)
+        if failed:
+            return _unverifiable(rid, f"prefill rank(s) {failed} failed to digest the KV they sent (see their log)")
+        return _not_comparable(rid, f"prefill rank(s) {sorted(notices)} cannot digest their KV layout")
+    if fetched.timed_out:
+        return _unverifiable(rid, fetched.reason)
+    published = _unpacked(fetched.shards)
+    if not published:
+        return _not_comparable(rid, fetched.reason or "prefill published no digest")
+    start = min(s.start_token for s in published)
+    shard, reason = _digest_rows(scheduler, _pool_row(req), start, len(req.origin_input_ids))
+    if shard is None:
+        return _not_comparable(rid, reason)
+    return compare(published, shard, rid)
+
+
+def _notices(shards: dict[int, tuple[int, ...]]) -> dict[int, int]:
+    found = (unpack_notice(values) for values in shards.values())
+    return {rank: code for rank, code in (n for n in found if n is not None)}
+
+
+def _unpacked(shards: dict[int, tuple[int, ...]]) -> list[ShardDigest]:
+    return [s for s in (unpack_shard(v) for v in shards.values()) if s is not None]
+
+
+def _unverifiable(rid: str, reason: str) -> Decision:
+    message = f"request {rid}: KV digest could not be verified ({reason}); refusing to decode unverified pages"
+    return Decision(GUARD, Verdict.ABORT, message, ABORT_STATUS, {"rid": rid})
+
+
+def _not_comparable(rid: str, reason: str) -> Decision:
+    return Decision(GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None, {"rid": rid})
+
+
+def _agreed(group: Any, local: Decision, rid: str) -> Decision:
+    """One outcome for every rank of decode's TP group (a lone rank agrees with itself)."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) <= 1:
+        return local
+    return agree_across_ranks([local], TorchGroupTransport(group), AGREE_TIMEOUT_S, [rid])[0]
+
+
+AGREE_TIMEOUT_S = 10.0
