@@ -371,15 +371,19 @@ counts tokens; this checks which pages: a page table that points at a page the r
 PAGE_TAGS_IMPORT = "from sglang.srt.mem_cache import pd_page_tags\n"
 
 
+def prealloc_call(indent: str, comment: str, function: str, first_arg: str) -> str:
+    """A backport's call next to the prealloc queue's ``send_metadata``: ``function(first_arg, receiver, pages)``."""
+    return (f"{indent}# sglang-harden backport: {comment}\n{indent}{function}(\n"
+            f"{indent}    {first_arg}, decode_req.kv_receiver, page_indices\n{indent})\n")
+
+
 def page_tags_publish(indent: str) -> tuple[str, str]:
     """(anchor, replacement) after the prealloc queue's ``send_metadata`` call, indented as the pin has it."""
     call = (f"{indent}decode_req.kv_receiver.send_metadata(\n{indent}    page_indices,\n"
             f"{indent}    decode_req.metadata_buffer_index,\n{indent}    state_indices,\n"
             f"{indent}    **metadata_kwargs,\n{indent})\n")
-    return call, call + (f"{indent}# sglang-harden backport: the ledger learns whose pages the transfer writes.\n"
-                         f"{indent}pd_page_tags.note_published(\n"
-                         f"{indent}    self.token_to_kv_pool_allocator, decode_req.kv_receiver, page_indices\n"
-                         f"{indent})\n")
+    return call, call + prealloc_call(indent, "the ledger learns whose pages the transfer writes.",
+                                      "pd_page_tags.note_published", "self.token_to_kv_pool_allocator")
 
 
 def commit_refusal_block(comment: str, variable: str, call: str, label: str) -> str:
@@ -454,10 +458,8 @@ PD_CANARY = with_bundle("pd_canary.py", ("StrEnum",))
 def canary_patch(indent: str) -> tuple[str, str, list]:
     """The canary patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call)."""
     call = page_tags_publish(indent)[0]
-    stamp = (f"{indent}# sglang-harden backport: stamp the pages before their indices leave (kv canary).\n"
-             f"{indent}pd_canary.stamp_before_send(\n"
-             f"{indent}    self.token_to_kv_pool_allocator.get_kvcache(), decode_req.kv_receiver, page_indices\n"
-             f"{indent})\n")
+    stamp = prealloc_call(indent, "stamp the pages before their indices leave (kv canary).",
+                          "pd_canary.stamp_before_send", "self.token_to_kv_pool_allocator.get_kvcache()")
     return ("kv-canary", H_CANARY, [
         (CANARYMOD, None, PD_CANARY),
         (DECODE, "from sglang.srt.environ import envs\n", CANARY_IMPORT + "from sglang.srt.environ import envs\n"),
@@ -553,10 +555,8 @@ def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
     """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
     ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522)."""
     call = page_tags_publish(indent)[0]
-    publish = (f"{indent}# sglang-harden backport: these pages are being written until the transfer commits.\n"
-               f"{indent}pd_lifecycle.note_published(\n"
-               f"{indent}    self.token_to_kv_pool_allocator, decode_req.kv_receiver, page_indices\n"
-               f"{indent})\n")
+    publish = prealloc_call(indent, "these pages are being written until the transfer commits.",
+                            "pd_lifecycle.note_published", "self.token_to_kv_pool_allocator")
     return ("page-lifecycle", H_LIFECYCLE, [
         (LIFECYCLEMOD, None, PD_LIFECYCLE),
         (DECODE, "from sglang.srt.environ import envs\n", LIFECYCLE_IMPORT + "from sglang.srt.environ import envs\n"),

@@ -55,7 +55,7 @@ signing = _Signing()
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/kernels/digest_ref.py sglang_harden/kernels/digest_torch.py sglang_harden/guards/checksum.py sglang_harden/compat/digest_pool.py sglang_harden/compat/digest_board.py sglang_harden/channels/http_client.py sglang_harden/compat/digest_channel.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/kernels/digest_ref.py sglang_harden/kernels/digest_torch.py sglang_harden/guards/checksum.py sglang_harden/compat/digest_pool.py sglang_harden/compat/digest_board.py sglang_harden/channels/http_client.py sglang_harden/compat/digest_channel.py sglang_harden/compat/side_routes.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out
@@ -138,21 +138,10 @@ def add_routes(app: Any) -> None:
 
 
 async def _handle_put(request: Any) -> Any:
-    from aiohttp import web
-
     from sglang.srt.disaggregation.common.pd_rejections import request_from_this_host
 
-    if not request_from_this_host(request):
-        return web.json_response({"error": "digests are accepted from this host only"}, status=403)
-    body = await request.read()
-    if len(body) > BODY_LIMIT:
-        return web.json_response({"error": f"digests: body over {BODY_LIMIT} bytes"}, status=413)
-    try:
-        shard = parse_digest_body(body)
-    except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
-    post_and_signal(shard)
-    return web.json_response({"ok": True})
+    return await accept_from_this_host(request, "digests", BODY_LIMIT, parse_digest_body, post_and_signal,
+                                       request_from_this_host)
 
 
 async def _handle_digests(request: Any) -> Any:
@@ -188,7 +177,7 @@ def refusal_at_commit(req: Any, scheduler: Any, receiver: Any, group: Any) -> st
     try:
         local = _compare_with_prefill(req, scheduler, str(getattr(receiver, "bootstrap_addr", "")))
     except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed, on this rank and so on all
-        local = _unverifiable(rid, repr(exc))
+        local = unverifiable(rid, repr(exc))
     decision = _agreed(group, local, rid)
     if decision.verdict is Verdict.SKIP:
         log.warning("sglang-harden checksum skip: rid=%s room=%s: %s", rid, req.bootstrap_room, decision.reason)
@@ -204,48 +193,27 @@ def _compare_with_prefill(req: Any, scheduler: Any, addr: str) -> Decision:
     rid = str(req.rid)
     layout, _, _, reason = pool_layout(scheduler)
     if layout is None:
-        return _not_comparable(rid, reason)
+        return not_comparable(rid, reason)
     mine = set(layout.heads)
 
     def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
-        covered = {h for s in _unpacked(shards) for h in s.layout.heads}
-        return bool(_notices(shards)) or mine <= covered
+        covered = {h for s in published_shards(shards) for h in s.layout.heads}
+        return bool(notices_in(shards)) or mine <= covered
 
     fetched = fetch_digests(addr, int(req.bootstrap_room), WAIT_S, decidable)
-    notices = _notices(fetched.shards)
+    notices = notices_in(fetched.shards)
     if notices:
-        failed = sorted(rank for rank, code in notices.items() if code != NOTICE_NOT_DIGESTIBLE)
-        if failed:
-            return _unverifiable(rid, f"prefill rank(s) {failed} failed to digest the KV they sent (see their log)")
-        return _not_comparable(rid, f"prefill rank(s) {sorted(notices)} cannot digest their KV layout")
+        return decide_on_notices(rid, notices)
     if fetched.timed_out:
-        return _unverifiable(rid, fetched.reason)
-    published = _unpacked(fetched.shards)
+        return unverifiable(rid, fetched.reason)
+    published = published_shards(fetched.shards)
     if not published:
-        return _not_comparable(rid, fetched.reason or "prefill published no digest")
+        return not_comparable(rid, fetched.reason or "prefill published no digest")
     start = min(s.start_token for s in published)
     shard, reason = _digest_rows(scheduler, _pool_row(req), start, len(req.origin_input_ids))
     if shard is None:
-        return _not_comparable(rid, reason)
+        return not_comparable(rid, reason)
     return compare(published, shard, rid)
-
-
-def _notices(shards: dict[int, tuple[int, ...]]) -> dict[int, int]:
-    found = (unpack_notice(values) for values in shards.values())
-    return {rank: code for rank, code in (n for n in found if n is not None)}
-
-
-def _unpacked(shards: dict[int, tuple[int, ...]]) -> list[ShardDigest]:
-    return [s for s in (unpack_shard(v) for v in shards.values()) if s is not None]
-
-
-def _unverifiable(rid: str, reason: str) -> Decision:
-    message = f"request {rid}: KV digest could not be verified ({reason}); refusing to decode unverified pages"
-    return Decision(GUARD, Verdict.ABORT, message, ABORT_STATUS, {"rid": rid})
-
-
-def _not_comparable(rid: str, reason: str) -> Decision:
-    return Decision(GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None, {"rid": rid})
 
 
 def _agreed(group: Any, local: Decision, rid: str) -> Decision:

@@ -57,7 +57,7 @@ def ledger_library() -> None:
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py sglang_harden/compat/drain_ack.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out
@@ -154,19 +154,11 @@ class DecodeLifecycle:
     # ---- free path (scheduler thread)
     def keep_back(self, pages: Any) -> Any:
         """Mask of ``pages`` that must not reach the free list, or None (free them all)."""
-        sole = self.ledger.sole_owner(pages)
-        if sole == NONE_TRACKED:
+        groups = self.ledger.owner_groups(pages)
+        if not groups:
             return None
-        if sole != MIXED:
-            groups = [(sole, pages)]
-        else:
-            tracked = pages[self.ledger.state_array()[pages] != PageState.FREE]
-            owner_ids = self.ledger.owner_ids_of(tracked)
-            groups = [(o, tracked[owner_ids == o]) for o in distinct(owner_ids).tolist()]
-        for owner_id, owned in groups:
-            owner = self.ledger.owner_name(owner_id)
-            if owner is not None:
-                self._release(owner, owned)
+        for owner, owned in groups:
+            self._release(owner, owned)
         if not self.ledger.quarantined_count():
             return None
         held = self.ledger.state_array()[pages] == PageState.QUARANTINED
@@ -193,16 +185,10 @@ class DecodeLifecycle:
 
     def _ask_for_ack(self, transfer: Transfer | None) -> None:
         """Prefill acknowledges a drained room only after an abort notice from decode: make sure one went out."""
-        receiver = transfer.receiver if transfer is not None else None
-        if receiver is None or getattr(receiver, "abort_notified", True):
+        if transfer is None:
             return
         try:
-            ensure = getattr(receiver, "ensure_abort_notified", None)
-            if ensure is not None:
-                ensure(force_arm=True)
-            elif getattr(receiver, "bootstrap_infos", None):
-                receiver._send_abort_notification()
-                receiver.abort_notified = True
+            send_abort_notice(transfer.receiver)
         except Exception as exc:  # noqa: BLE001 - best effort: without an acknowledgement the pages stay held
             logger.warning("sglang-harden lifecycle: could not ask prefill to acknowledge room %s: %r",
                            transfer.room, exc)

@@ -86,19 +86,8 @@ class DecodePages:
 
     def release(self, pages: Any) -> None:
         """Pages back on the allocator's free list: FREE in the ledger, whichever owner held them."""
-        sole = self.ledger.sole_owner(pages)
-        if sole == NONE_TRACKED:
-            return
-        if sole != MIXED:
-            groups = [(sole, pages)]
-        else:
-            tracked = pages[self.ledger.state_array()[pages] != PageState.FREE]
-            owner_ids = self.ledger.owner_ids_of(tracked)
-            groups = [(o, tracked[owner_ids == o]) for o in distinct(owner_ids).tolist()]
-        for owner_id, owned in groups:
-            owner = self.ledger.owner_name(owner_id)
-            if owner is not None:
-                self.ledger.release_bulk(owner, owned, writer_drained=True)
+        for owner, owned in self.ledger.owner_groups(pages):
+            self.ledger.release_bulk(owner, owned, writer_drained=True)
 
     def refusal(self, req: Any, req_to_token: Any) -> str | None:
         """Why the request must not be decoded, or None: the transfer's pages are written, the page table is

@@ -13,6 +13,7 @@ from typing import Any
 from sglang_harden.channels import abort_wire
 from sglang_harden.compat import digest_board, digest_channel, notify
 from sglang_harden.compat.runtime import RUNTIME
+from sglang_harden.compat.side_routes import accept_from_this_host
 from sglang_harden.config import Mode
 
 Func = Callable[..., Any]
@@ -67,22 +68,7 @@ async def handle_digest_put(request: Any) -> Any:
 
 async def _accept_from_this_host(request: Any, what: str, limit: int, parse: Callable[[bytes], Any],
                                  post: Callable[[Any], None]) -> Any:
-    """A side-channel PUT: 403 from another host, 413 over ``limit`` bytes, 400 on a malformed body, else
-    ``post(parse(body))``. The body is read whole (aiohttp caps it at the app's client_max_size, 1 MiB by default)
-    because the control-plane token check may have read it already."""
-    from aiohttp import web
-
-    if not abort_wire.request_from_this_host(request):
-        return web.json_response({"error": f"{what} are accepted from this host only"}, status=403)
-    body = await request.read()
-    if len(body) > limit:
-        return web.json_response({"error": f"{what}: body over {limit} bytes"}, status=413)
-    try:
-        item = parse(body)
-    except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
-    post(item)
-    return web.json_response({"ok": True})
+    return await accept_from_this_host(request, what, limit, parse, post, abort_wire.request_from_this_host)
 
 
 async def handle_digests_get(request: Any) -> Any:

@@ -36,7 +36,7 @@ from sglang_harden.compat.digest_pool import (  # noqa: F401 - re-exported: test
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import checksum
-from sglang_harden.guards.base import Decision, Verdict
+from sglang_harden.guards.base import Decision
 from sglang_harden.kernels.digest import shard_digest
 from sglang_harden.kernels.digest_spec import ShardDigest
 
@@ -168,7 +168,7 @@ def _local_decision(queue: Any, decode_req: Any, reader: DigestReader) -> Decisi
     try:
         return _compare_with_prefill(queue.scheduler, decode_req, reader)
     except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed, on this rank and so on all
-        return _unverifiable(rid, repr(exc))
+        return checksum.unverifiable(rid, repr(exc))
 
 
 def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader) -> Decision:
@@ -176,13 +176,13 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
     rid = str(req.rid)
     layout, _, _, reason = pool_layout(scheduler)
     if layout is None:
-        return _not_comparable(rid, reason)
+        return checksum.not_comparable(rid, reason)
     mine = set(layout.heads)
     addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
 
     def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
-        covered = {h for s in _unpacked(shards) for h in s.layout.heads}
-        return bool(_notices(shards)) or mine <= covered
+        covered = {h for s in checksum.published_shards(shards) for h in s.layout.heads}
+        return bool(checksum.notices_in(shards)) or mine <= covered
 
     wait_s = RUNTIME.config.checksum_wait_ms / 1000
     began = time.perf_counter()
@@ -190,46 +190,19 @@ def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader)
     fetch_s = time.perf_counter() - began
     TIMER.add("verify.fetch", fetch_s)
     TIMER.add(f"verify.fetch.{fetched.via}", fetch_s)
-    notices = _notices(fetched.shards)
+    notices = checksum.notices_in(fetched.shards)
     if notices:
-        return _decide_on_notices(rid, notices)
+        return checksum.decide_on_notices(rid, notices)
     if fetched.timed_out:
-        return _unverifiable(rid, fetched.reason)
-    published = _unpacked(fetched.shards)
+        return checksum.unverifiable(rid, fetched.reason)
+    published = checksum.published_shards(fetched.shards)
     if not published:
-        return _not_comparable(rid, fetched.reason or "prefill published no digest")
+        return checksum.not_comparable(rid, fetched.reason or "prefill published no digest")
     start = min(s.start_token for s in published)
     shard, reason = digest_rows(scheduler, reader.pool_row(req), start, len(req.origin_input_ids))
     if shard is None:
-        return _not_comparable(rid, reason)
+        return checksum.not_comparable(rid, reason)
     return checksum.compare(published, shard, rid)
-
-
-def _notices(shards: dict[int, tuple[int, ...]]) -> dict[int, int]:
-    """Prefill ranks that said why they publish no digest for this room: ``{rank: code}``."""
-    found = (checksum.unpack_notice(values) for values in shards.values())
-    return {rank: code for rank, code in (n for n in found if n is not None)}
-
-
-def _decide_on_notices(rid: str, notices: dict[int, int]) -> Decision:
-    failed = sorted(rank for rank, code in notices.items() if code != checksum.NOTICE_NOT_DIGESTIBLE)
-    if failed:
-        return _unverifiable(rid, f"prefill rank(s) {failed} failed to digest the KV they sent (see their log)")
-    return _not_comparable(rid, f"prefill rank(s) {sorted(notices)} cannot digest their KV layout (see their log)")
-
-
-def _unverifiable(rid: str, reason: str) -> Decision:
-    message = f"request {rid}: KV digest could not be verified ({reason}); refusing to decode unverified pages"
-    return Decision(checksum.GUARD, Verdict.ABORT, message, checksum.ABORT_STATUS, {"rid": rid})
-
-
-def _not_comparable(rid: str, reason: str) -> Decision:
-    return Decision(checksum.GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None, {"rid": rid})
-
-
-def _unpacked(shards: dict[int, tuple[int, ...]]) -> list[ShardDigest]:
-    """The published shards of this spec version (anything else is ignored)."""
-    return [s for s in (checksum.unpack_shard(v) for v in shards.values()) if s is not None]
 
 
 def agree_on_group(queue: Any, local: Decision, rid: str) -> Decision:

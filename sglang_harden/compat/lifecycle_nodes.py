@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
+from sglang_harden.compat.drain_ack import send_abort_notice
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
@@ -145,19 +146,11 @@ class DecodeNode:
         """Mask of ``pages`` that must not reach the free list (None: free them all)."""
         if mode is Mode.ENFORCE and self._usual_free_done(*self.ledger.release_unwritable(pages)):
             return None
-        sole = self.ledger.sole_owner(pages)
-        if sole == lifecycle.NONE_TRACKED:
+        groups = self.ledger.owner_groups(pages)
+        if not groups:
             return None
-        if sole != lifecycle.MIXED:  # the usual case: one request's pages
-            groups = [(sole, pages)]
-        else:
-            tracked_pages = pages[self.states[pages] != FREE]
-            owner_ids = self.ledger.owner_ids_of(tracked_pages)
-            groups = [(o, tracked_pages[owner_ids == o]) for o in lifecycle.distinct(owner_ids).tolist()]
-        for owner_id, owned in groups:
-            owner = self.ledger.owner_name(owner_id)
-            if owner is not None:
-                self._release(owner, owned, mode)
+        for owner, owned in groups:
+            self._release(owner, owned, mode)
         if self.ledger.quarantined_count() == 0:
             return None
         held = self.states[pages] == QUARANTINED
@@ -224,16 +217,10 @@ class DecodeNode:
     def _ask_for_drain_ack(self, owner: str) -> None:
         """Prefill acknowledges a drained room only after an ABORT from us: make sure one went out."""
         transfer = self.transfers.get(owner)
-        receiver = transfer.receiver if transfer else None
-        if receiver is None or getattr(receiver, "abort_notified", True):
+        if transfer is None:
             return
         try:
-            ensure = getattr(receiver, "ensure_abort_notified", None)
-            if ensure is not None:
-                ensure(force_arm=True)
-            elif getattr(receiver, "bootstrap_infos", None):
-                receiver._send_abort_notification()
-                receiver.abort_notified = True
+            send_abort_notice(transfer.receiver)
         except Exception as exc:  # noqa: BLE001 - best effort: without an ack the pages stay quarantined
             logger.warning("sglang-harden lifecycle: could not ask prefill to ack room %s: %r", transfer.room, exc)
 

@@ -351,3 +351,33 @@ def unpack_shard(values: Sequence[int]) -> ShardDigest | None:
         bool(halves >> 8),
     )
     return ShardDigest(layout, first, count & ((1 << 40) - 1), digests, count >> 40)
+
+
+# ---- what decode decides on prefill's answer (the plugin's kv_digest and the backport's pd_digest)
+
+
+def notices_in(shards: dict[int, tuple[int, ...]]) -> dict[int, int]:
+    """Prefill ranks that said why they publish no digest for this room: ``{rank: code}``."""
+    found = (unpack_notice(values) for values in shards.values())
+    return {rank: code for rank, code in (n for n in found if n is not None)}
+
+
+def decide_on_notices(rid: str, notices: dict[int, int]) -> Decision:
+    failed = sorted(rank for rank, code in notices.items() if code != NOTICE_NOT_DIGESTIBLE)
+    if failed:
+        return unverifiable(rid, f"prefill rank(s) {failed} failed to digest the KV they sent (see their log)")
+    return not_comparable(rid, f"prefill rank(s) {sorted(notices)} cannot digest their KV layout (see their log)")
+
+
+def unverifiable(rid: str, reason: str) -> Decision:
+    message = f"request {rid}: KV digest could not be verified ({reason}); refusing to decode unverified pages"
+    return Decision(GUARD, Verdict.ABORT, message, ABORT_STATUS, {"rid": rid})
+
+
+def not_comparable(rid: str, reason: str) -> Decision:
+    return Decision(GUARD, Verdict.SKIP, f"request {rid}: digest not comparable: {reason}", None, {"rid": rid})
+
+
+def published_shards(shards: dict[int, tuple[int, ...]]) -> list[ShardDigest]:
+    """The published shards of this spec version (anything else is ignored)."""
+    return [s for s in (unpack_shard(v) for v in shards.values()) if s is not None]

@@ -335,6 +335,21 @@ class PageLedger:
         first = owner_ids[0]
         return int(first) if np.count_nonzero(owner_ids != first) == 0 else MIXED
 
+    def owner_groups(self, pages: Any) -> list[tuple[str, Any]]:
+        """``pages`` (numpy) split by owner, FREE pages left out: ``[(owner, its pages)]`` (a free path's question
+        when it must release each owner's pages by that owner's rule)."""
+        sole = self.sole_owner(pages)
+        if sole == NONE_TRACKED:
+            return []
+        if sole != MIXED:
+            groups = [(sole, pages)]
+        else:
+            tracked = pages[self.state_array()[pages] != PageState.FREE]
+            owner_ids = self.owner_ids_of(tracked)
+            groups = [(o, tracked[owner_ids == o]) for o in distinct(owner_ids).tolist()]
+        named = ((self.owner_name(owner_id), owned) for owner_id, owned in groups)
+        return [(owner, owned) for owner, owned in named if owner is not None]
+
     def release_unwritable(self, pages: Any) -> tuple[int, str | None]:
         """A free path's usual case in one step: the tracked pages of ``pages`` (FREE ones, such as the slots of
         tokens decode generated itself, are left as they are) all belong to one owner and none is WRITING (so no

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
-from sglang_harden.testbed.latewrite_patched import patched_quiesce
+from sglang_harden.testbed.latewrite_patched import patched_quarantined_pages, patched_quiesce
 from sglang_harden.testbed.patched import patched_env
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.profiles import get_profile
@@ -87,6 +86,14 @@ class LateWriteSetup:
 # A's freed pages to the next victim. Page 16 rounds A and the victim up to whole pages (340 would make victims
 # wait for A's quarantine to end, after the write's own deadline: nothing would land while a victim decodes).
 DECODE_POOL_BY_PAGE_SIZE = {1: 340, 16: 384}
+
+
+def late_write_cases(pins: list[str], backends: list[str], profiles: list[str]) -> list[str]:
+    """Test cases ``<pin>/<backend>/<profile>``, profile-major, for the backends each pin's testbed has."""
+    from sglang_harden.testbed.envs import get_recipe
+
+    return [f"{pin}/{backend}/{profile}" for profile in profiles for pin in pins for backend in backends
+            if backend in get_recipe(pin).transfer_backends]
 
 
 def setup_for(profile: str, backend: str = "mooncake") -> LateWriteSetup:
@@ -397,16 +404,12 @@ def _before(first_decode: dict[str, Any] | None, landed_at: float | None) -> boo
     return float(first_decode["t"]) < landed_at
 
 
-PATCHED_QUARANTINE = re.compile(r"sglang-harden lifecycle quarantine: (\d+) KV pages of room:(\d+) ")
-
-
 def _quarantined_pages(decode_log: str, room: int | None) -> int:
     """Pages of A's room the lifecycle guard put in quarantine: the plugin's structured decision lines, or the
     backport series' log lines (a patched decode)."""
     if room is None:
         return 0
-    patched = sum(int(m.group(1)) for m in PATCHED_QUARANTINE.finditer(decode_log) if int(m.group(2)) == room)
-    return quarantined_pages_by_room(decode_log).get(room, 0) + patched
+    return quarantined_pages_by_room(decode_log).get(room, 0) + patched_quarantined_pages(decode_log, room)
 
 
 def _misowned(res: GenResult) -> dict[str, Any]:

@@ -7,12 +7,20 @@ pages are held.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 from sglang_harden.testbed.client import greedy_body, pd_generate
 from sglang_harden.testbed.pd_topology import PDPair
+
+QUARANTINE_LINE = re.compile(r"sglang-harden lifecycle quarantine: (\d+) KV pages of room:(\d+) ")
+
+
+def patched_quarantined_pages(decode_log: str, room: int) -> int:
+    """Pages of ``room`` a patched decode put in quarantine, from the series' log lines."""
+    return sum(int(m.group(1)) for m in QUARANTINE_LINE.finditer(decode_log) if int(m.group(2)) == room)
 
 
 def patched_quiesce(pair: PDPair, setup: Any, pool: dict[str, Any], say: Callable[[str], None] | None,

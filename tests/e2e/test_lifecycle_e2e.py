@@ -32,16 +32,14 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.envs import get_recipe
-from sglang_harden.testbed.latewrite import run_late_write, setup_for
+from sglang_harden.testbed.latewrite import late_write_cases, run_late_write, setup_for
 
 pytestmark = pytest.mark.e2e
 
 PINS = ["0.5.19", "0.5.22", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
 PROFILES = ["minimal", "paged16"]
-CASES = [f"{pin}/{backend}/{profile}" for profile in PROFILES for pin in PINS for backend in BACKENDS
-         if backend in get_recipe(pin).transfer_backends]
+CASES = late_write_cases(PINS, BACKENDS, PROFILES)
 
 
 @pytest.fixture(scope="module", params=CASES)
