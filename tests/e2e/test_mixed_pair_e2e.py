@@ -16,8 +16,9 @@ tokens) then tenant B (300 tokens; prefill's limit 250, decode's 394). In both p
 Before this wire format was shared, a patched prefill's notice never reached a plugin decode (B waited out the
 30 s timeout and got a 500) and each side's coverage check refused the other's transfers.
 
-The plugin decode beside the patched prefill runs with ``--harden-lifecycle off`` (its prefill has no lifecycle
-patch and sends no drain acks, so an operator turns decode's quarantine off) and page tags on: the page-tag guard
+The patched decode beside the plugin prefill verifies the plugin prefill's KV digests (one digest wire format).
+The plugin decode beside the patched prefill runs with ``--harden-lifecycle off`` and the KV digest off (so that
+page tags alone judge the fault below) and page tags on: the page-tag guard
 keeps its own page ledger then (issue 16; it used to be unarmed without lifecycle). Last, SGLang's own page table
 of one request is pointed at a free page (test-only ``kvfault`` ``table``): page tags refuse it (500) before the
 first decode step.
@@ -58,8 +59,11 @@ PROMPT_S = 5.0
 STARTUP_TIMEOUT_S = 1800.0  # server starts take many minutes on a shared 2-core machine
 PLUGIN_ON = {ACTIVATE_ENV: "1"}
 TABLE_ROOM = 993_000_001
-# the plugin decode beside a patched prefill: lifecycle off, page tags on, and the page-table fault for one room
-TAGS_ALONE = {"SGLANG_HARDEN_LIFECYCLE": "off", "SGLANG_HARDEN_TESTBED_KV_FAULT": f"table:{TABLE_ROOM}"}
+# the plugin decode beside a patched prefill: lifecycle off, page tags on, and the page-table fault for one room; the
+# KV digest off too, so that page tags alone judge that room (the patched prefill publishes digests since the
+# kv-digest patch, and the plugin decode's digest then refuses the fault first: seen in CI)
+TAGS_ALONE = {"SGLANG_HARDEN_LIFECYCLE": "off", "SGLANG_HARDEN_CHECKSUM": "off",
+              "SGLANG_HARDEN_TESTBED_KV_FAULT": f"table:{TABLE_ROOM}"}
 _runs: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -149,6 +153,16 @@ def test_normal_requests_pass_both_coverage_checks(mixed: Any, pin: str) -> None
             assert len(rnd.a.decode.output_ids or []) == SETUP.new_tokens
         outputs.append([rnd.a.decode.output_ids for rnd in mixed(pin, variant)["rounds"]])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_patched_decode_verifies_the_plugin_prefills_digests(mixed: Any, pin: str) -> None:
+    """The plugin prefill posts its KV digests on its bootstrap server; the patched decode beside it fetches and
+    compares them for every transfer (it would log a skip for a prefill that publishes none) and serves A."""
+    run = mixed(pin, "plugin-prefill")
+    assert all(rnd.a.decode.ok for rnd in run["rounds"]), [rnd.a.decode.summary() for rnd in run["rounds"]]
+    assert "sglang-harden checksum skip" not in run["logs"]["decode"]
+    assert "sglang-harden checksum abort" not in run["logs"]["decode"]
 
 
 @pytest.mark.proves("plugin", "page_tags")
