@@ -60,7 +60,11 @@ def start_topology(topo: SoakTopology, load: SoakLoad, hardened: bool, log_dir: 
                    ) -> PDPair | PDFleet:
     env = {WAITING_TIMEOUT_ENV: str(topo.waiting_timeout_s)}
     if hardened:  # the pools are deliberately smaller than the context (the incident): the gate only logs
-        env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log"})
+        env.update({"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log",
+                    # CPU testbed only: on the 2-core CI host under this load a prefill bootstrap server once took
+                    # over the default 5 s to answer a digest query, and decode refused a clean request (fail
+                    # closed; CI 2026-12-04, 0.5.23/NIXL). Production keeps the default.
+                    "SGLANG_HARDEN_CHECKSUM_WAIT_MS": "20000"})
     if load.late_writes:
         env.update({**load.late_write_trigger_env(log_dir / "kvtrace"), KVTRACE_ENV: str(log_dir / "kvtrace")})
         if hardened:  # the sender's bound on a timed-out write's lifetime must cover the injected delay
