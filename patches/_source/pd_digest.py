@@ -95,12 +95,6 @@ def _digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardD
     return ShardDigest(layout, start, len(slots), digests, _tp_rank(scheduler)), ""
 
 
-def _local_bootstrap_url(scheduler: Any) -> str:
-    host = str(scheduler.server_args.host)
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
-
-
 # ---- prefill
 
 
@@ -112,7 +106,7 @@ def publish_before_final_send(scheduler: Any, req: Any, end_idx: Any) -> None:
     if MODE == "off" or room is None:
         return
     if PUBLISHER is None:
-        PUBLISHER = DigestPublisher(_local_bootstrap_url(scheduler))
+        PUBLISHER = DigestPublisher(bootstrap_base_url(scheduler))
     code = NOTICE_NOT_DIGESTIBLE
     try:
         start = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)

@@ -27,6 +27,7 @@ from sglang_harden.compat.front_hooks import (  # noqa: F401
 )
 from sglang_harden.compat.internals import TOKENIZER  # noqa: F401 - the family tables import it from here
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
+from sglang_harden.compat.side_routes import bootstrap_base_url  # noqa: F401 - the families import it from here
 from sglang_harden.config import CapacityMode
 from sglang_harden.guards import admission, capacity, retire
 from sglang_harden.guards.abort_notify import decide_on_peer_abort, decide_on_prefill_abort
@@ -204,12 +205,6 @@ def peer_status_abort(original: Func) -> Func:
         return original(req, error_message, status_code=status_code)
 
     return prepare_abort
-
-
-def bootstrap_base_url(scheduler: Any) -> str:
-    host = scheduler.server_args.host
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
 
 
 def capacity_gate(scheduler: Any) -> None:

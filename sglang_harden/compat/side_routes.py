@@ -1,6 +1,6 @@
-"""The body of a side-channel PUT on a bootstrap server (aiohttp): taken from this host only, bounded in size,
-parsed, then posted. Shared by the plugin's routes (``compat/bootstrap_routes.py``) and the backport series'
-``pd_digest`` (bundled into it)."""
+"""A prefill scheduler's own bootstrap server (:func:`bootstrap_base_url`) and the body of a side-channel PUT on it
+(aiohttp): taken from this host only, bounded in size, parsed, then posted. Shared by the plugin
+(``compat/bootstrap_routes.py``, the adapters) and the backport series' ``pd_digest`` (bundled into it)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,10 @@ async def accept_from_this_host(request: Any, what: str, limit: int, parse: Call
         return web.json_response({"error": str(exc)}, status=400)
     post(item)
     return web.json_response({"ok": True})
+
+
+def bootstrap_base_url(scheduler: Any) -> str:
+    """The URL a prefill scheduler process reaches its own bootstrap server at."""
+    host = str(scheduler.server_args.host)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{host}:{scheduler.disagg_prefill_bootstrap_queue.bootstrap_port}"
