@@ -8,7 +8,8 @@ the tiny model):
    sleep ``delay_s`` before writing A's KV, then write it anyway (by default the engine call / NIXL post
    reports failure after ``engine_timeout_s`` while the write is still pending: prefill fails A and decode
    gives up on it);
-3. after ``abort_after_s`` decode gives up on A (``/abort_request`` on decode: the client went away); upstream
+3. once prefill has started A's send (the shim's ``kv_send`` line) and ``abort_after_s`` more have passed,
+   decode gives up on A (``/abort_request`` on decode: the client went away); upstream
    then either frees A's pages at once (0.5.19 default) or holds them until prefill's drain ack or its
    deferred-release timeout (0.5.21+; lowered here to ``release_timeout_s`` < ``delay_s``: the timeout path);
 4. victims B (greedy, long enough to still be decoding when A's write lands) are sent back to back; the decode
@@ -35,11 +36,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_harden.testbed import jsonl
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
 from sglang_harden.testbed.latewrite_patched import patched_quarantined_pages, patched_quiesce
+from sglang_harden.testbed.latewrite_trace import (
+    LandingTrigger,
+    await_send,
+    landed,
+    late_writes,
+    send_targets,
+    trigger_path,
+)
 from sglang_harden.testbed.patched import patched_env
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.profiles import get_profile
@@ -70,7 +78,11 @@ class LateWriteSetup:
     # The engine call for A gives up after this long and reports failure while A's bytes are still on the wire
     # (None: the write blocks the worker instead; Mooncake then serialises the pair's later transfers behind it).
     engine_timeout_s: float | None = 1.0
-    abort_after_s: float = 2.5
+    # decode aborts A this long after prefill started A's (delayed) send; the send must start within
+    # ``send_start_timeout_s`` of A's arrival (a loaded host prefills slowly; an abort before the send would
+    # let a hardened prefill drop A untransferred, and nothing would be in flight)
+    abort_after_s: float = 1.5
+    send_start_timeout_s: float = 90.0
     victims_after_write_s: float = 3.0
     release_timeout_s: float = 2.0
     quarantine_cap_pages: int = 300
@@ -158,75 +170,6 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
     return pair.start()
 
 
-def trigger_path(log_dir: Path) -> Path:
-    return Path(log_dir) / "kvtrace" / "late-write-now"
-
-
-class LandingTrigger:
-    """Creates the trigger file (the late write then lands) once, the first time either holds:
-
-    - a victim starts decoding over a decode page that A's KV send targeted (the shim's ``kv_send`` lines): A's
-      pages were handed on while its write was in flight, and the write lands in that victim (vanilla);
-    - with ``or_after_release``: a victim sent after A's release time starts decoding, whatever its pages (for a
-      hardened server, whose quarantine keeps A's pages from every victim: the write lands while one decodes).
-
-    Without either, the shim lands the write after its ``delay_s``."""
-
-    def __init__(self, log_dir: Path, release_at: float, or_after_release: bool) -> None:
-        self.trace, self.path, self.release_at = Path(log_dir) / "kvtrace", trigger_path(log_dir), release_at
-        self.or_after_release = or_after_release
-        self.victims: set[str] = set()
-        self.eligible: set[str] = set()
-        self.fired_for: str | None = None
-        self.reason: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def sent(self, rid: str) -> None:
-        self.victims.add(rid)
-        if time.time() >= self.release_at:
-            self.eligible.add(rid)
-
-    def _reason(self, event: dict[str, Any], a_pages: set[int]) -> str | None:
-        rid = event.get("rid")
-        if event.get("event") != "first_decode" or rid not in self.victims:
-            return None
-        if a_pages.intersection(event.get("pages") or ()):
-            return "decodes over A's pages"
-        if self.or_after_release and rid in self.eligible:
-            return "sent after A's release"
-        return None
-
-    def _fire(self, rid: str, reason: str) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.touch()
-        self.fired_for, self.reason = rid, reason
-
-    def _run(self) -> None:
-        while not self._stop.is_set() and self.fired_for is None:
-            try:
-                a_pages = _send_targets(late_writes(self.trace, live=True))
-                events = read_kvtrace(self.trace, live=True)
-            except ValueError as exc:  # a broken trace line: the scenario's checks then name it
-                self.reason = f"trace unreadable: {exc}"
-                return
-            for event in events:
-                reason = self._reason(event, a_pages)
-                if reason is not None:
-                    self._fire(str(event["rid"]), reason)
-                    return
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-def _landed(trace: Path) -> bool:
-    return any(w.get("event") == "late_write" for w in late_writes(trace, live=True))
-
-
 def _pool(pair: PDPair) -> dict[str, Any]:
     info = pair.decode.server_info()
     state = (info.get("internal_states") or [{}])[0]
@@ -291,14 +234,15 @@ def run_scenario(
         daemon=True,
     )
     thread.start()
+    trace = pair.log_dir / "kvtrace"
+    await_send(trace, setup.room_a, setup.send_start_timeout_s)
     time.sleep(setup.abort_after_s)
     abort_status = _abort_on_decode(pair, "A-late")
     say(f"A aborted on decode at +{time.time() - t0:.1f}s (HTTP {abort_status})")
     victims: dict[str, PairResult] = {}
-    trace = pair.log_dir / "kvtrace"
     # A's pages are back in vanilla's free list at the abort (<= 0.5.20) or after the release timeout (0.5.21+)
     trigger = LandingTrigger(pair.log_dir, time.time() + setup.release_timeout_s + 0.5, land_after_release)
-    latest = t0 + setup.abort_after_s + setup.delay_s + setup.victims_after_write_s + 60
+    latest = time.time() + setup.delay_s + setup.victims_after_write_s + 60
     landed_at: float | None = None
     try:  # back-to-back victims until the late write landed, then a few more
         while time.time() < latest and (landed_at is None or time.time() < landed_at + setup.victims_after_write_s):
@@ -306,7 +250,7 @@ def run_scenario(
             trigger.sent(rid)
             victims[rid] = victim(rid)
             say(f"{rid} answered {victims[rid].decode.status} at +{time.time() - t0:.1f}s")
-            if landed_at is None and _landed(trace):
+            if landed_at is None and landed(trace):
                 landed_at = time.time()
     finally:
         trigger.stop()
@@ -337,23 +281,13 @@ def run_scenario(
     }
 
 
-def late_writes(folder: Path, live: bool = False) -> list[dict[str, Any]]:
-    """The latewrite shim's trace lines (live: a line still being written is left out)."""
-    return jsonl.read_folder(folder, "latewrite-", live)
-
-
-def _send_targets(writes: list[dict[str, Any]]) -> set[int]:
-    """The decode pages the delayed rooms' KV sends target (the shim's ``kv_send`` lines)."""
-    return {page for w in writes if w.get("event") == "kv_send" for page in w["dst_pages"]}
-
-
 def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     ref = _b_summary(run["ref"].decode)
     trace = read_kvtrace(trace_dir)
     releases = {e["rid"]: e for e in trace if e.get("event") == "release"}
     first_decodes = {e["rid"]: e for e in trace if e.get("event") == "first_decode"}
     writes = late_writes(trace_dir)
-    a_pages = _send_targets(writes)
+    a_pages = send_targets(writes)
     landed_at = next((w["t"] for w in writes if w["event"] == "late_write"), None)
     victims: dict[str, dict[str, Any]] = {}
     for rid, pair_result in run["victims"].items():

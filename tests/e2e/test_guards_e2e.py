@@ -44,7 +44,8 @@ from sglang_harden.testbed.incident import (
     tenant_b_prompt,
 )
 from sglang_harden.testbed.jsonl import read_folder
-from sglang_harden.testbed.latewrite import LATE_WRITE_ENV, late_writes
+from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
+from sglang_harden.testbed.latewrite_trace import late_writes
 from sglang_harden.testbed.patched_bootstrap import registration
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.server import Server

@@ -456,7 +456,7 @@ def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
 def test_landing_trigger_fires_when_a_victim_decodes_over_As_pages(tmp_path: Path, or_after_release: bool) -> None:
     """The late write lands in the first victim handed one of A's decode pages; a victim on other pages fires it
     only with ``or_after_release`` and only when sent after A's release time."""
-    from sglang_harden.testbed.latewrite import LandingTrigger, trigger_path
+    from sglang_harden.testbed.latewrite_trace import LandingTrigger, trigger_path
 
     trace = tmp_path / "kvtrace"
     _append_jsonl(trace / "latewrite-1.jsonl", {"event": "kv_send", "room": 42, "dst_pages": [100, 101, 102]})
