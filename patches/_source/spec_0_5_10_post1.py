@@ -1,8 +1,8 @@
 """0.5.10.post1: the 0.5.19 series ported to the 0.5.6-0.5.12 code (read off the 0.5.10.post1 wheel).
 
-Every patch of the 0.5.19 series is kept: 0.5.10.post1 has none of their protections (no door checks, no
-retirement of aborted prefill results, no coverage check, no rejection notice, no capacity gate, no
-control-plane authentication, no page tags, no canary). What differs from 0.5.19, and why each change:
+Every patch of the 0.5.19 series but the page lifecycle is kept: 0.5.10.post1 has none of their protections (no
+door checks, no retirement of aborted prefill results, no coverage check, no rejection notice, no capacity gate, no
+control-plane authentication, no page tags, no canary, no KV digest). What differs from 0.5.19, and why each change:
 - set_finish_with_abort writes ``to_finish`` as on 0.5.19, but ``disaggregation/utils.py is_aborted`` does not
   exist before 0.5.13: prefill.py gets a local one (same test: FINISH_ABORT in to_finish or finished_reason).
 - ``PrefillBootstrapQueue.add`` builds its sender inline (no ``create_sender``); the door check goes first.
@@ -171,4 +171,4 @@ def _with_auth_status(patch: tuple) -> tuple:
 # No page-lifecycle patch: drain acknowledgements (deferred decode KV release) came with 0.5.19, so a quarantined
 # page would never leave quarantine here (as on 0.5.18).
 PATCHES = [_with_auth_status(_patch(name, header, list(edits))) for name, header, edits in base.PATCHES
-           if name not in ("page-lifecycle", "kv-digest")]
+           if name != "page-lifecycle"]

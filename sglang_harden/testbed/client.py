@@ -28,6 +28,8 @@ class GenResult:
     elapsed_s: float
     output_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    # per output position: token id -> logprob of the most likely tokens (asked with ``top_logprobs``)
+    top_logprobs: list[dict[int, float]] | None = None
     text: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -98,7 +100,35 @@ def _parse(status: int, body: Any, elapsed: float) -> GenResult:
         result.output_ids = [int(item[1]) for item in token_logprobs]
     if body.get("output_ids") is not None:
         result.output_ids = [int(x) for x in body["output_ids"]]
+    top = meta.get("output_top_logprobs")
+    if top:
+        result.top_logprobs = [{int(item[1]): float(item[0]) for item in position or () if item[0] is not None}
+                               for position in top]
     return result
+
+
+def greedy_difference(x: GenResult, y: GenResult, tie: float) -> str | None:
+    """Why two greedy answers to one prompt differ beyond floating-point ties, or None. Up to their first differing
+    token both must agree; there, each answer's own top logprobs must hold both tokens within ``tie`` of each other
+    (a near-tie that kernel or batch order may break either way); past it the two continuations legitimately
+    differ and are not compared."""
+    ids_x, ids_y = x.output_ids or [], y.output_ids or []
+    if len(ids_x) != len(ids_y):
+        return f"{len(ids_x)} vs {len(ids_y)} output tokens"
+    for k, (tx, ty) in enumerate(zip(ids_x, ids_y, strict=True)):
+        if tx != ty:
+            return _unless_tied(k, tx, ty, x, y, tie)
+    return None
+
+
+def _unless_tied(k: int, tx: int, ty: int, x: GenResult, y: GenResult, tie: float) -> str | None:
+    for name, res in (("first", x), ("second", y)):
+        top = (res.top_logprobs or [])[k] if k < len(res.top_logprobs or []) else {}
+        if tx not in top or ty not in top:
+            return f"token {k}: {tx} vs {ty}; the {name} answer's top logprobs {top} do not hold both"
+        if abs(top[tx] - top[ty]) > tie:
+            return f"token {k}: {tx} vs {ty}; the {name} answer ranks them {top[tx]:.6f} vs {top[ty]:.6f}"
+    return None
 
 
 def generate(url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResult:
@@ -112,13 +142,16 @@ def generate(url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResul
 
 
 def greedy_body(
-    input_ids: list[int], max_new_tokens: int, rid: str | None = None, logprobs: bool = True
+    input_ids: list[int], max_new_tokens: int, rid: str | None = None, logprobs: bool = True, top_logprobs: int = 0
 ) -> dict[str, Any]:
+    """``top_logprobs``: also return that many most likely tokens per position (:func:`greedy_difference`)."""
     body: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-        "return_logprob": logprobs,
+        "return_logprob": logprobs or top_logprobs > 0,
     }
+    if top_logprobs:
+        body["top_logprobs_num"] = top_logprobs
     if rid is not None:
         body["rid"] = rid
     return body

@@ -93,6 +93,8 @@ class RoundResult:
     b_rows: int | None = None
     a_rows_read_by_b: int = 0
     foreign_rows: dict[str, int] = field(default_factory=dict)
+    # rows of other requests' KV that A's first decode step read (None: the tracer saw no decode step of A)
+    a_foreign_rows: int | None = None
 
     def b_fingerprint(self) -> tuple[Any, ...] | None:
         d = self.b.decode
@@ -111,6 +113,7 @@ class RoundResult:
             "b_rows": self.b_rows,
             "a_pages_read_by_b": self.a_rows_read_by_b,
             "foreign_rows": self.foreign_rows,
+            "a_foreign_rows": self.a_foreign_rows,
         }
 
 
@@ -157,13 +160,16 @@ def run_round(pair: PDPair, index: int, a_seed: int, setup: IncidentSetup, tag: 
     """Tenant A (distinctive content), then tenant B (oversized, greedy); collect both oracles."""
     a_rid, b_rid = f"{tag}A{index}-s{a_seed}", f"{tag}B{index}"
     a = pair.generate(
-        greedy_body(tenant_a_prompt(a_seed, setup.a_len), setup.new_tokens, rid=a_rid),
+        greedy_body(tenant_a_prompt(a_seed, setup.a_len), setup.new_tokens, rid=a_rid, top_logprobs=3),
         timeout=setup.waiting_timeout_s + 120,
     )
     b = pair.generate(
         greedy_body(tenant_b_prompt(setup.b_len), setup.new_tokens, rid=b_rid), timeout=setup.waiting_timeout_s + 120
     )
     result = RoundResult(index=index, a_seed=a_seed, a_rid=a_rid, b_rid=b_rid, a=a, b=b)
+    a_event = first_decode_event(pair.log_dir / "kvtrace", a_rid)
+    if a_event is not None:
+        result.a_foreign_rows = sum(int(v) for v in a_event.get("foreign_rows", {}).values())
     event = first_decode_event(pair.log_dir / "kvtrace", b_rid)
     if event is not None:
         result.b_rows = int(event["rows"])

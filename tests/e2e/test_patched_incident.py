@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.client import PairResult, greedy_body
+from sglang_harden.testbed.client import PairResult, greedy_body, greedy_difference
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     KVTRACE_ENV,
@@ -58,12 +58,15 @@ pytestmark = pytest.mark.e2e
 
 # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins. 0.5.10.post1 and 0.5.18: patch path only.
 PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]
-DIGEST_PINS = ["0.5.19", "0.5.22", "0.5.23"]  # the series with the kv-digest patch (of PINS)
+DIGEST_PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]  # the series with the kv-digest patch (of PINS)
 BACKENDS = ["mooncake", "nixl"]
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_S = 5.0
+# Two greedy runs of one prompt may part at a near-tie (logprobs this close): the vanilla pair batches B's stub and
+# caches other prefixes than the patched pair, and CPU kernels break such ties either way
+GREEDY_TIE = 0.01
 STARTUP_TIMEOUT_S = 1800.0  # server starts take many minutes on a shared 2-core machine
 # Last request of the vanilla and the patched pair (it leaves decode's pool inconsistent): the test-only kvfault
 # shim points one prompt page of the request in this room at a page in the allocator's free list before the
@@ -253,11 +256,15 @@ def test_patched_control_plane_refuses_an_attacker(incident: Any, pin: str) -> N
 
 @pytest.mark.parametrize("pin", PINS)
 def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
+    """A, the normal tenant, reads only its own KV on the patched pair (the tracer) and gets vanilla's greedy
+    answer (up to a near-tie, GREEDY_TIE)."""
     vanilla, patched = incident(pin, "vanilla")["rounds"], incident(pin, "patched")["rounds"]
     assert len(vanilla) == len(patched) == len(SEEDS)
     for v, p in zip(vanilla, patched, strict=True):
         assert v.a.decode.ok and p.a.decode.ok, (v.a.decode.summary(), p.a.decode.summary())
-        assert p.a.decode.output_ids == v.a.decode.output_ids
+        assert p.a_foreign_rows == 0, p.to_dict()
+        assert greedy_difference(v.a.decode, p.a.decode, GREEDY_TIE) is None, (
+            greedy_difference(v.a.decode, p.a.decode, GREEDY_TIE), v.a.decode.top_logprobs, p.a.decode.top_logprobs)
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
 
 
