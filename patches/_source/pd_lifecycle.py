@@ -18,6 +18,9 @@ decode
 - ``release_drained`` (``DecodeTransferQueue.pop_transferred``, the scheduler thread): quarantined pages whose
   writers drained go to the free list.
 prefill
+- ``ack_when_drained`` / ``ack_if_drained`` (releases without drain acknowledgements, 0.5.18's Mooncake manager):
+  decode's abort notice is answered with an acknowledgement naming this prefill rank once no chunk of the room is
+  in flight (the transfer worker counts a chunk before it looks at the room's status);
 - ``note_failed_write`` (Mooncake's failed engine call; ``poison_deferred_ack_room`` on releases that have it, which
   would otherwise drop the room's acknowledgement target for good);
 - ``ack_deferred`` (``CommonKVManager._send_abort_ack``): an acknowledgement of a room whose failed write may still
@@ -362,3 +365,49 @@ def ack_deferred(room: int, send: Callable[[], Any]) -> bool:
     logger.warning("sglang-harden lifecycle hold_ack: room %s: drain acknowledgement held %.1f s more (a failed "
                    "write may still land)", room, max(LIFETIME_S - age, 0.0))
     return True
+
+
+# ---- prefill on releases without drain acknowledgements (0.5.18 Mooncake): this module sends them
+
+_ACK_TARGETS: dict[tuple[int, int], tuple[str, int]] = {}
+_ACK_LOCK = threading.Lock()
+
+
+def ack_when_drained(manager: Any, room: int, decode_ip: str, decode_port: int) -> bool:
+    """Decode's abort notice for ``room`` arrived (the room is already marked failed): acknowledge once the room's
+    writes drained, now or from the transfer worker. True: handled here (the caller skips its own acknowledgement,
+    which would not say whether anything is still being written)."""
+    if MODE == "off":
+        return False
+    with _ACK_LOCK:
+        _ACK_TARGETS[(id(manager), int(room))] = (decode_ip, int(decode_port))
+    ack_if_drained(manager, room)  # the worker may have finished the room's last chunk before the target existed
+    return True
+
+
+def ack_if_drained(manager: Any, room: int) -> None:
+    """Transfer worker (a chunk of ``room`` finished or was skipped) or abort handler: send the pending
+    acknowledgement of ``room`` if no chunk of it is in flight; at most once."""
+    if manager._staging_outstanding.get(room, 0) > 0:
+        return
+    with _ACK_LOCK:
+        target = _ACK_TARGETS.pop((id(manager), int(room)), None)
+    if target is not None:
+        send_drain_ack(manager, int(room), *target)
+
+
+def send_drain_ack(manager: Any, room: int, decode_ip: str, decode_port: int) -> None:
+    """``ABORT_ACK <room> <prefill rank>`` to decode; held while a failed write of the room may still land."""
+    if ack_deferred(room, lambda: send_drain_ack(manager, room, decode_ip, decode_port)):
+        return
+    from sglang.srt.utils.network import NetworkAddress
+
+    rank = (manager.attn_tp_rank * manager.pp_size * manager.attn_cp_size + manager.pp_rank * manager.attn_cp_size
+            + manager.attn_cp_rank)
+    try:
+        address = NetworkAddress(decode_ip, decode_port)
+        manager._send_multipart_locked(address.to_tcp(), [b"ABORT_ACK", str(room).encode("ascii"),
+                                                           str(rank).encode("ascii")], is_ipv6=address.is_ipv6)
+    except Exception as exc:  # noqa: BLE001 - without it decode keeps the pages held (safe), so say it
+        logger.warning("sglang-harden lifecycle: drain acknowledgement of room %s to %s:%s failed: %r",
+                       room, decode_ip, decode_port, exc)

@@ -41,8 +41,9 @@ def test_cells_say_e2e_static_or_absent(tmp_path: Path) -> None:
     assert row["lifecycle"] == "e2e / static", "the plugin proved it; the 0.5.23 series patches it, not run here"
     assert row["checksum"] == "static / static", "hooked by the plugin and patched by the series, neither run here"
     old_row = dict(zip(cols, [c.strip() for c in rows["0.5.18"].strip("|").split("|")], strict=True))
-    assert old_row["checksum"] == "- / static", "the 0.5.18 series has the digest patch"
-    assert old_row["lifecycle"] == "- / -", "no lifecycle patch on 0.5.18 (no drain acknowledgements)"
+    assert old_row["checksum"] == "- / static" and old_row["lifecycle"] == "- / static", "0.5.18: patch path only"
+    old_row = dict(zip(cols, [c.strip() for c in rows["0.5.10.post1"].strip("|").split("|")], strict=True))
+    assert old_row["lifecycle"] == "- / -", "no lifecycle patch on 0.5.10.post1 (no drain acknowledgements)"
     assert row["coverage"] == "static / e2e"
     assert row["bootstrap_auth"] == "static / static"
     assert row["admission"] == "static / upstream" and row["retire"] == "static / upstream"

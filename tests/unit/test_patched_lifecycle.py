@@ -24,12 +24,12 @@ torch = pytest.importorskip("torch")
 
 MODULE = "sglang/srt/mem_cache/pd_lifecycle.py"
 ALL_PINS = P.available_pins(P.default_patches_dir())
-PINS = [pin for pin in ALL_PINS if release_key(pin) >= release_key("0.5.19")]  # drain acks came with 0.5.19
+PINS = [pin for pin in ALL_PINS if release_key(pin) >= release_key("0.5.18")]  # 0.5.18: the patch brings drain acks
 
 
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return patched_trees(tmp_path_factory, ("0.5.19", "0.5.23"))
+    return patched_trees(tmp_path_factory, ("0.5.18", "0.5.19", "0.5.23"))
 
 
 def load(tree: Path, monkeypatch: pytest.MonkeyPatch, mode: str | None = None, lifetime: str = "30") -> ModuleType:
@@ -55,12 +55,12 @@ def receiver(room: int, ranks: int = 1) -> Any:
     return rec
 
 
-@pytest.fixture(params=["0.5.19", "0.5.23"])
+@pytest.fixture(params=["0.5.18", "0.5.19", "0.5.23"])
 def lifecycle(request: pytest.FixtureRequest, trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return load(trees[request.param], monkeypatch)
 
 
-def test_every_05_series_from_0519_carries_the_module() -> None:
+def test_every_05_series_from_0518_carries_the_module() -> None:
     assert PINS
     for pin in PINS:
         assert any(MODULE in p.targets for p in P.load_series(pin, P.default_patches_dir())), pin
@@ -152,3 +152,74 @@ def test_doctor_sees_the_quarantine_only_on_patched_trees(trees: dict[str, Path]
     for pin, tree in trees.items():
         assert detect_page_quarantine(SourceTree(tree)).status == "yes", pin
         assert detect_page_quarantine(SourceTree(make_tree(pin, tmp_path / pin))).status == "no", pin
+
+
+class MooncakeManager:
+    """Stands in for 0.5.18's Mooncake KV manager on prefill (a real one needs a transfer engine; the real
+    manager is ``tests/e2e/test_patched_lifecycle_e2e.py --pins 0.5.18``): its in-flight chunk counts, its rank
+    and what it sends."""
+
+    def __init__(self) -> None:
+        self._staging_outstanding: dict[int, int] = {}
+        self.attn_tp_rank, self.pp_size, self.attn_cp_size, self.pp_rank, self.attn_cp_rank = 1, 1, 1, 0, 0
+        self.sent: list[tuple[str, list[bytes]]] = []
+
+    def _send_multipart_locked(self, endpoint: str, parts: list[bytes], is_ipv6: bool = False) -> None:
+        self.sent.append((endpoint, parts))
+
+
+def _stub_network_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sglang.srt.utils.network.NetworkAddress`` for a test without SGLang installed (what send_drain_ack uses)."""
+    import sys
+    import types
+
+    class NetworkAddress:
+        def __init__(self, host: str, port: int) -> None:
+            self.host, self.port, self.is_ipv6 = host, port, False
+
+        def to_tcp(self) -> str:
+            return f"tcp://{self.host}:{self.port}"
+
+    names = ["sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.network"]
+    for name in names:
+        if name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules["sglang.srt.utils.network"], "NetworkAddress", NetworkAddress, raising=False)
+
+
+def test_0518_prefill_acknowledges_an_abort_only_once_the_rooms_chunks_drained(
+        trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    lifecycle = load(trees["0.5.18"], monkeypatch)
+    _stub_network_address(monkeypatch)
+    manager = MooncakeManager()
+    manager._staging_outstanding[31] = 1  # a chunk of room 31 is being written
+    assert lifecycle.ack_when_drained(manager, 31, "127.0.0.1", 9100) is True  # upstream's own ack is skipped
+    assert manager.sent == []
+    manager._staging_outstanding[31] = 0  # the worker finished the chunk ...
+    lifecycle.ack_if_drained(manager, 31)  # ... and tells the module
+    assert manager.sent == [("tcp://127.0.0.1:9100", [b"ABORT_ACK", b"31", b"1"])]
+    lifecycle.ack_if_drained(manager, 31)
+    assert len(manager.sent) == 1  # at most once
+    assert lifecycle.ack_when_drained(manager, 32, "127.0.0.1", 9100) is True  # nothing in flight: at once
+    assert manager.sent[-1][1] == [b"ABORT_ACK", b"32", b"1"]
+
+
+def test_0518_a_failed_write_holds_the_drain_ack_and_off_leaves_upstreams(
+        trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    lifecycle = load(trees["0.5.18"], monkeypatch, lifetime="0")
+    _stub_network_address(monkeypatch)
+    manager = MooncakeManager()
+    lifecycle.note_failed_write(33)
+    assert lifecycle.ack_when_drained(manager, 33, "127.0.0.1", 9100) is True
+    assert manager.sent == []  # lifetime 0: never by itself
+    off = load(trees["0.5.18"], monkeypatch, mode="off")
+    assert off.ack_when_drained(manager, 34, "127.0.0.1", 9100) is False
+
+
+def test_0518_series_counts_chunks_before_the_status_check_and_decode_counts_ranked_acks(
+        trees: dict[str, Path]) -> None:
+    conn = (trees["0.5.18"] / "sglang/srt/disaggregation/mooncake/conn.py").read_text()
+    count = conn.index("# sglang-harden backport: count the chunk in flight")
+    assert count < conn.index("kv_chunk.room not in self.request_status", count)
+    assert "pd_lifecycle.ack_when_drained(" in conn and conn.count("pd_lifecycle.ack_if_drained(") == 2
+    assert 'pd_lifecycle.note_ack(ack_aborted_room, int(msg[2].decode("ascii")))' in conn
