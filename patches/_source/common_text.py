@@ -481,7 +481,9 @@ acknowledged (note_abort_ack) or the prefill node is known gone (_handle_node_fa
 timeout. Prefill holds the acknowledgement of a room whose KV write the transport gave up on (Mooncake's
 failed engine call, a failed NIXL post; poison_deferred_ack_room where the release has it, which no
 longer drops the acknowledgement target) until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself)
-passed since the failure. The idle pool check counts quarantined pages as held, not leaked. Deferred
+passed since the failure. The idle pool check counts quarantined pages as held, not leaked. At the
+quarantine cap (SGLANG_HARDEN_QUARANTINE_CAP_PAGES, default a quarter of the pool) decode refuses new
+requests with 503 instead of letting them wait on held pages. Deferred
 decode KV release (prefill's drain acknowledgements) is turned on
 on both roles. SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a plugin server.
 
@@ -551,6 +553,23 @@ NIXL_EDITS = [
 ]
 
 
+CAPACITY_DOOR = "        if self._check_if_req_exceed_kv_capacity(req):\n            return\n\n        if is_retracted:\n"
+CAPACITY_METHOD_ANCHOR = "    def _check_if_req_exceed_kv_capacity(self, req: Req) -> bool:\n"
+QUARANTINE_DOOR = ("        if not is_retracted and not is_rebootstrap and self._quarantine_full(req):\n"
+                   "            return  # sglang-harden backport: at the quarantine cap\n")
+QUARANTINE_DOOR_METHOD = '''    def _quarantine_full(self, req: Req) -> bool:
+        """sglang-harden backport: at the quarantine cap refuse a new request (503) rather than
+        let it wait on pages a late write may still land in."""
+        reason = pd_lifecycle.quarantine_refusal()
+        if reason is None:
+            return False
+        prepare_abort(req, reason, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        self.scheduler.output_streamer.stream_output([req], req.return_logprob)
+        return True
+
+'''
+
+
 def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
     """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
     ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522)."""
@@ -562,6 +581,8 @@ def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
         (DECODE, "from sglang.srt.environ import envs\n", LIFECYCLE_IMPORT + "from sglang.srt.environ import envs\n"),
         (DECODE, call, call + publish),
         (DECODE, DEFERRED_FLAG, DEFERRED_FLAG_ON),
+        (DECODE, CAPACITY_DOOR, QUARANTINE_DOOR + CAPACITY_DOOR),
+        (DECODE, CAPACITY_METHOD_ANCHOR, QUARANTINE_DOOR_METHOD + CAPACITY_METHOD_ANCHOR),
         (DECODE, POP_TRANSFERRED, POP_TRANSFERRED +
          "        pd_lifecycle.release_drained()  # sglang-harden backport: quarantined pages whose writers drained\n"),
         (DECODE, SUCCESS_COMMIT,

@@ -16,7 +16,8 @@ decode
 - ``note_ack`` (``CommonKVManager.note_abort_ack``) and ``note_sender_gone`` (``_handle_node_failure``): drain
   evidence, from the receiver threads;
 - ``release_drained`` (``DecodeTransferQueue.pop_transferred``, the scheduler thread): quarantined pages whose
-  writers drained go to the free list.
+  writers drained go to the free list;
+- ``quarantine_refusal`` (``DecodePreallocQueue.add``, a new request): at the quarantine cap it is refused with 503.
 prefill
 - ``ack_when_drained`` / ``ack_if_drained`` (releases without drain acknowledgements, 0.5.18's Mooncake manager):
   decode's abort notice is answered with an acknowledgement naming this prefill rank once no chunk of the room is
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 MODE_ENV = "SGLANG_HARDEN_LIFECYCLE"
 LIFETIME_ENV = "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S"
+CAP_ENV = "SGLANG_HARDEN_QUARANTINE_CAP_PAGES"
 DEFAULT_LIFETIME_S = 30
 MAX_FAILED_ROOMS = 1 << 16  # prefill: rooms remembered with a failed write (the oldest age out past this)
 
@@ -81,6 +83,20 @@ def _lifetime_from_env() -> float:
 
 
 LIFETIME_S = _lifetime_from_env()
+
+
+def _cap_from_env() -> int:
+    raw = os.environ.get(CAP_ENV, "").strip() or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{CAP_ENV}={raw!r}: expected a page count (0: a quarter of the pool)") from None
+    if value < 0:
+        raise ValueError(f"{CAP_ENV}={raw!r}: must be >= 0")
+    return value
+
+
+CAP_PAGES = _cap_from_env()
 
 
 def deferred_release(upstream: bool) -> bool:
@@ -306,6 +322,20 @@ def note_sender_gone(addr: str) -> None:
     node = NODE
     if node is not None:
         node.note_gone(str(addr))
+
+
+def quarantine_refusal() -> str | None:
+    """Why decode must refuse a new request now (HTTP 503), or None: at the quarantine cap
+    (``SGLANG_HARDEN_QUARANTINE_CAP_PAGES``, 0: a quarter of the pool) a node stops admitting rather than let
+    requests wait on pages that may never come back."""
+    node = NODE
+    if node is None or MODE != "enforce":
+        return None
+    decision = node.ledger.admission_open(CAP_PAGES)
+    if decision.allows:
+        return None
+    logger.warning("sglang-harden lifecycle reject (503): %s", decision.reason)
+    return "sglang-harden: " + decision.reason
 
 
 def held_tokens() -> int:

@@ -150,7 +150,8 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         )
     if tree is not None:
         env.update({**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "log",
-                    "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3))})
+                    "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3)),
+                    "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages)})
     if setup.backend not in BACKENDS:
         raise ValueError(f"late-write backend {setup.backend!r}: one of {BACKENDS}")
     pair = PDPair(

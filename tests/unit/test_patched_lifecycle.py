@@ -112,6 +112,46 @@ def test_paged_release_keeps_quarantined_page_ids_back(lifecycle: ModuleType) ->
     assert first.tolist() == [] and second.tolist() == [1]
 
 
+def test_at_the_quarantine_cap_new_requests_are_refused_with_a_reason(
+        trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_HARDEN_QUARANTINE_CAP_PAGES", "3")
+    lifecycle = load(trees["0.5.23"], monkeypatch)
+    alloc = Allocator()
+    assert lifecycle.quarantine_refusal() is None  # no ledger yet
+    lifecycle.note_published(alloc, receiver(14), [5, 6])
+    lifecycle.pages_to_free(alloc, torch.tensor([5, 6]))
+    assert lifecycle.quarantine_refusal() is None  # 2 pages held, cap 3
+    lifecycle.note_published(alloc, receiver(15), [7])
+    lifecycle.pages_to_free(alloc, torch.tensor([7]))
+    reason = lifecycle.quarantine_refusal()
+    assert reason is not None and "3 KV pages are quarantined (cap 3)" in reason
+    lifecycle.note_ack(14, 0)
+    lifecycle.release_drained()
+    assert lifecycle.quarantine_refusal() is None  # the door opens again once pages left quarantine
+
+
+def test_the_cap_defaults_to_a_quarter_of_the_pool_and_bad_values_refuse_to_start(
+        trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    lifecycle = load(trees["0.5.23"], monkeypatch)
+    alloc = Allocator(size=14)  # 16 ledger pages: cap 4
+    lifecycle.note_published(alloc, receiver(16), [1, 2, 3, 4])
+    lifecycle.pages_to_free(alloc, torch.tensor([1, 2, 3, 4]))
+    assert "cap 4" in (lifecycle.quarantine_refusal() or "")
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("SGLANG_HARDEN_QUARANTINE_CAP_PAGES", bad)
+        with pytest.raises(ValueError, match="SGLANG_HARDEN_QUARANTINE_CAP_PAGES"):
+            load(trees["0.5.23"], monkeypatch)
+
+
+@pytest.mark.parametrize("pin", ["0.5.18", "0.5.19", "0.5.23"])
+def test_the_decode_door_asks_the_cap_before_the_capacity_check(trees: dict[str, Path], pin: str) -> None:
+    decode = (trees[pin] / "sglang/srt/disaggregation/decode.py").read_text()
+    door = decode.index("if not is_retracted and not is_rebootstrap and self._quarantine_full(req):")
+    assert door < decode.index("        if self._check_if_req_exceed_kv_capacity(req):\n            return\n", door - 200)
+    method = decode[decode.index("    def _quarantine_full(self, req: Req) -> bool:"):]
+    assert "pd_lifecycle.quarantine_refusal()" in method and "HTTPStatus.SERVICE_UNAVAILABLE" in method
+
+
 def test_log_mode_frees_and_off_keeps_no_ledger(trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     logged = load(trees["0.5.23"], monkeypatch, "log")
     alloc = Allocator()
