@@ -147,7 +147,8 @@ def test_the_cap_defaults_to_a_quarter_of_the_pool_and_bad_values_refuse_to_star
 def test_the_decode_door_asks_the_cap_before_the_capacity_check(trees: dict[str, Path], pin: str) -> None:
     decode = (trees[pin] / "sglang/srt/disaggregation/decode.py").read_text()
     door = decode.index("if not is_retracted and not is_rebootstrap and self._quarantine_full(req):")
-    assert door < decode.index("        if self._check_if_req_exceed_kv_capacity(req):\n            return\n", door - 200)
+    capacity_check = "        if self._check_if_req_exceed_kv_capacity(req):\n            return\n"
+    assert door < decode.index(capacity_check, door - 200)
     method = decode[decode.index("    def _quarantine_full(self, req: Req) -> bool:"):]
     assert "pd_lifecycle.quarantine_refusal()" in method and "HTTPStatus.SERVICE_UNAVAILABLE" in method
 
