@@ -86,6 +86,8 @@ class LateWriteSetup:
     victims_after_write_s: float = 3.0
     release_timeout_s: float = 2.0
     quarantine_cap_pages: int = 300
+    # prefill's wait for decode's handshake (None: SGLang's 300 s); short where decode refuses requests at its door
+    prefill_bootstrap_timeout_s: int | None = None
     room_a: int = 777_000_001
     quiesce_timeout_s: float = 60.0
     room_misowned: int = 777_000_002
@@ -152,6 +154,8 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         env.update({**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "log",
                     "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(int(setup.delay_s + 3)),
                     "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": str(setup.quarantine_cap_pages)})
+    if setup.prefill_bootstrap_timeout_s is not None:
+        env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(setup.prefill_bootstrap_timeout_s)
     if setup.backend not in BACKENDS:
         raise ValueError(f"late-write backend {setup.backend!r}: one of {BACKENDS}")
     pair = PDPair(

@@ -10,12 +10,15 @@ vanilla pin serving corrupted victims in this very scenario on the same pins and
   (the series' log line), no victim decoded over one of A's pages before the write landed, every served victim
   judged by the KV tracer, and every decode page back at quiesce (prefill's drain acknowledgement, held for the
   failed write's lifetime, let them out);
+- the quarantine cap: with a cap of one page, A's quarantine closes the decode door: victims get 503 with the
+  series' reason until prefill's acknowledgement lets A's pages out, and none is corrupted;
 - run with ``SGLANG_HARDEN_LIFECYCLE=off`` in the environment (the same tree, the guard switched off), the first
   test fails: the late write corrupts a victim again (how the test was shown to fail without the guard).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -71,3 +74,29 @@ def test_patched_quarantine_held_a_pages_and_released_them(result: dict[str, Any
     assert result["handed_a_pages_before_write_landed"] == [], _brief(result)
     assert result["tracer_gaps"] == [], _brief(result)
     assert result["pages_back_at_quiesce"], _brief(result)
+
+
+CAP_CASE = "0.5.23/mooncake/paged16"
+
+
+@pytest.fixture(scope="module")
+def capped(require_pin: Callable[[str], None], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The scenario on a patched pair whose quarantine cap is one page (prefill gives up on a refused victim's
+    handshake after 5 s instead of 300)."""
+    require_pin(CAP_CASE)
+    version, backend, profile = CAP_CASE.split("/")
+    root: Path = tmp_path_factory.mktemp("patched-latewrite-capped")
+    setup = dataclasses.replace(setup_for(profile, backend), quarantine_cap_pages=1, prefill_bootstrap_timeout_s=5)
+    return run_late_write(version, False, root / "patched", setup, tree=patched_tree(version, root / "tree"))
+
+
+@pytest.mark.proves("patch", "lifecycle")
+def test_patched_quarantine_cap_refuses_new_requests_with_503(capped: dict[str, Any]) -> None:
+    statuses = [v["status"] for v in capped["victims"].values()]
+    assert capped["a_pages_quarantined"] >= 1, _brief(capped)
+    assert 503 in statuses, _brief(capped)
+    assert set(statuses) <= {200, 503}, _brief(capped)
+    decode_log = next(Path(capped["log_dir"]).glob("decode-*.log")).read_text(errors="replace")
+    assert "sglang-harden lifecycle reject (503)" in decode_log and "quarantined (cap 1)" in decode_log
+    assert capped["corrupted_requests"] == 0, _brief(capped)
+    assert capped["pages_back_at_quiesce"], _brief(capped)
