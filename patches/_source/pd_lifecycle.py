@@ -71,32 +71,21 @@ def ledger_library() -> None:
 MODE = mode_from_env(MODE_ENV)
 
 
-def _lifetime_from_env() -> float:
-    raw = os.environ.get(LIFETIME_ENV, "").strip() or str(DEFAULT_LIFETIME_S)
+def _number_from_env(name: str, default: str, parse: Callable[[str], Any], expected: str) -> Any:
+    """A non-negative number from ``name``; a bad value refuses to start, naming the variable."""
+    raw = os.environ.get(name, "").strip() or default
     try:
-        value = float(raw)
+        value = parse(raw)
     except ValueError:
-        raise ValueError(f"{LIFETIME_ENV}={raw!r}: expected seconds (0: a failed write never expires)") from None
+        raise ValueError(f"{name}={raw!r}: expected {expected}") from None
     if value < 0:
-        raise ValueError(f"{LIFETIME_ENV}={raw!r}: must not be negative")
+        raise ValueError(f"{name}={raw!r}: must not be negative")
     return value
 
 
-LIFETIME_S = _lifetime_from_env()
-
-
-def _cap_from_env() -> int:
-    raw = os.environ.get(CAP_ENV, "").strip() or "0"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{CAP_ENV}={raw!r}: expected a page count (0: a quarter of the pool)") from None
-    if value < 0:
-        raise ValueError(f"{CAP_ENV}={raw!r}: must be >= 0")
-    return value
-
-
-CAP_PAGES = _cap_from_env()
+LIFETIME_S = _number_from_env(LIFETIME_ENV, str(DEFAULT_LIFETIME_S), float,
+                              "seconds (0: a failed write never expires)")
+CAP_PAGES = _number_from_env(CAP_ENV, "0", int, "a page count (0: a quarter of the pool)")
 
 
 def deferred_release(upstream: bool) -> bool:
