@@ -142,16 +142,13 @@ def generate(url: str, body: dict[str, Any], timeout: float = 120.0) -> GenResul
 
 
 def greedy_body(
-    input_ids: list[int], max_new_tokens: int, rid: str | None = None, logprobs: bool = True, top_logprobs: int = 0
+    input_ids: list[int], max_new_tokens: int, rid: str | None = None, logprobs: bool = True
 ) -> dict[str, Any]:
-    """``top_logprobs``: also return that many most likely tokens per position (:func:`greedy_difference`)."""
     body: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-        "return_logprob": logprobs or top_logprobs > 0,
+        "return_logprob": logprobs,
     }
-    if top_logprobs:
-        body["top_logprobs_num"] = top_logprobs
     if rid is not None:
         body["rid"] = rid
     return body

@@ -159,10 +159,10 @@ def start_incident_pair(
 def run_round(pair: PDPair, index: int, a_seed: int, setup: IncidentSetup, tag: str = "") -> RoundResult:
     """Tenant A (distinctive content), then tenant B (oversized, greedy); collect both oracles."""
     a_rid, b_rid = f"{tag}A{index}-s{a_seed}", f"{tag}B{index}"
-    a = pair.generate(
-        greedy_body(tenant_a_prompt(a_seed, setup.a_len), setup.new_tokens, rid=a_rid, top_logprobs=3),
-        timeout=setup.waiting_timeout_s + 120,
-    )
+    # top logprobs from decode only: 0.5.10.post1's prefill tokenizer dies on them in PD mode (measured: "Boolean value
+    # of Tensor with more than one value is ambiguous" in detokenize_top_logprobs_tokens, the prefill server gone)
+    a_body = greedy_body(tenant_a_prompt(a_seed, setup.a_len), setup.new_tokens, rid=a_rid)
+    a = pair.generate({**a_body, "top_logprobs_num": 3}, prefill_body=a_body, timeout=setup.waiting_timeout_s + 120)
     b = pair.generate(
         greedy_body(tenant_b_prompt(setup.b_len), setup.new_tokens, rid=b_rid), timeout=setup.waiting_timeout_s + 120
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_harden.testbed.client import _parse, greedy_body, greedy_difference
+from sglang_harden.testbed.client import _parse, greedy_difference
 
 
 def _answer(ids: list[int], tops: list[list[tuple[float, int]]]) -> Any:
@@ -15,12 +15,10 @@ def _answer(ids: list[int], tops: list[list[tuple[float, int]]]) -> Any:
     return _parse(200, {"text": "", "meta_info": meta}, 0.1)
 
 
-def test_top_logprobs_are_parsed_and_asked_for() -> None:
+def test_top_logprobs_are_parsed() -> None:
     res = _answer([4, 5], [[(-0.1, 4), (-2.0, 9)], [(-0.2, 5), (-0.3, 6)]])
     assert res.top_logprobs == [{4: -0.1, 9: -2.0}, {5: -0.2, 6: -0.3}]
-    body = greedy_body([1, 2], 3, top_logprobs=2)
-    assert body["top_logprobs_num"] == 2 and body["return_logprob"] is True
-    assert "top_logprobs_num" not in greedy_body([1, 2], 3)
+    assert _parse(200, {"meta_info": {}}, 0.1).top_logprobs is None
 
 
 def test_equal_answers_do_not_differ() -> None:
