@@ -45,6 +45,14 @@ def patched_tree(pin: str, dest: Path) -> Path:
     return dest
 
 
+# The testbed's decode pools hold a few hundred tokens and one prompt of 300 takes three quarters of one: the default
+# quarantine cap (a quarter of the pool) would answer 503 to the next request during the milliseconds a refused
+# transfer's pages wait for prefill's acknowledgement. A CPU-testbed necessity; a case that tests the cap sets its own.
+TESTBED_QUARANTINE_CAP_PAGES = "1000000"
+
+
 def patched_env(tree: Path) -> dict[str, str]:
-    """The environment of a server running ``tree``: the patched copy first, the plugin off."""
-    return {"SGLANG_HARDEN_ACTIVATE": "0", "PYTHONPATH": f"{tree}:{SHIMS_DIR}"}
+    """The environment of a server running ``tree``: the patched copy first, the plugin off (and the quarantine cap
+    out of the way of the testbed's tiny pools, TESTBED_QUARANTINE_CAP_PAGES)."""
+    return {"SGLANG_HARDEN_ACTIVATE": "0", "PYTHONPATH": f"{tree}:{SHIMS_DIR}",
+            "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": TESTBED_QUARANTINE_CAP_PAGES}
