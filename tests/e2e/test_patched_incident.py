@@ -57,8 +57,8 @@ from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
 pytestmark = pytest.mark.e2e
 
 # CI runs the pins it builds (0.5.19, 0.5.23); others: --pins. 0.5.10.post1 and 0.5.18: patch path only.
-PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]
-DIGEST_PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]  # the series with the kv-digest patch (of PINS)
+PINS = ["0.5.10.post1", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+DIGEST_PINS = list(PINS)  # the series with the kv-digest patch (of PINS): every 0.5.x one
 BACKENDS = ["mooncake", "nixl"]
 SETUP = IncidentSetup(waiting_timeout_s=30)
 SEEDS = (100, 1, 2)

@@ -32,7 +32,7 @@ from sglang_harden.testbed.patched import patched_tree
 
 pytestmark = pytest.mark.e2e
 
-PINS = ["0.5.18", "0.5.19", "0.5.22", "0.5.23"]
+PINS = ["0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
 PROFILES = ["minimal", "paged16"]  # CI runs paged16 (16-token pages, radix cache, chunked prefill); --profiles all
 CASES = late_write_cases(PINS, BACKENDS, PROFILES)
