@@ -483,9 +483,7 @@ failed engine call, a failed NIXL post; poison_deferred_ack_room where the relea
 longer drops the acknowledgement target) until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself)
 passed since the failure. The idle pool check counts quarantined pages as held, not leaked. At the
 quarantine cap (SGLANG_HARDEN_QUARANTINE_CAP_PAGES, default a quarter of the pool) decode refuses new
-requests with 503 instead of letting them wait on held pages. Deferred
-decode KV release (prefill's drain acknowledgements) is turned on
-on both roles. SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a plugin server.
+requests with 503 instead of letting them wait on held pages.<deferred> SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a plugin server.
 
 Why: a write the transport gave up on can still land. Upstream frees the destination pages of a room
 prefill failed at once, or after a timeout, and prefill acknowledges a drain as soon as its worker moved
@@ -570,13 +568,18 @@ QUARANTINE_DOOR_METHOD = '''    def _quarantine_full(self, req: Req) -> bool:
 '''
 
 
-def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
+DEFERRED_SENTENCE = " Deferred\ndecode KV release (prefill's drain acknowledgements) is turned on\non both roles."
+
+
+def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True) -> tuple[str, str, list]:
     """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
-    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522)."""
+    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522;
+    ``deferred_release``: the release has SGLang's deferred decode KV release switch, which the patch turns on)."""
     call = page_tags_publish(indent)[0]
     publish = prealloc_call(indent, "these pages are being written until the transfer commits.",
                             "pd_lifecycle.note_published", "self.token_to_kv_pool_allocator")
-    return ("page-lifecycle", H_LIFECYCLE, [
+    header = H_LIFECYCLE.replace("<deferred>", DEFERRED_SENTENCE if deferred_release else "")
+    edits = [
         (LIFECYCLEMOD, None, PD_LIFECYCLE),
         (DECODE, "from sglang.srt.environ import envs\n", LIFECYCLE_IMPORT + "from sglang.srt.environ import envs\n"),
         (DECODE, call, call + publish),
@@ -607,7 +610,8 @@ def lifecycle_patch(indent: str, ack_edits: list) -> tuple[str, str, list]:
         (MOONCAKE, MOONCAKE_FAILED_SEND, MOONCAKE_FAILED_SEND.replace(
             "if ret != 0:\n", "if ret != 0:\n                            pd_lifecycle.note_failed_write(kv_chunk.room)"
             "  # sglang-harden backport\n")),
-    ])
+    ]
+    return "page-lifecycle", header, [e for e in edits if deferred_release or e[1] != DEFERRED_FLAG]
 
 
 H_DIGEST = """\

@@ -2,7 +2,6 @@
 # calls the series adds must match: measured on a patched 0.5.18 pair, whose decode scheduler died on the first commit).
 from common_text import (
     DECODE,
-    DEFERRED_FLAG,
     MOONCAKE,
     digest_patch,
     lifecycle_patch,
@@ -69,9 +68,8 @@ acknowledgement: there a failed transfer's pages stay held until the prefill nod
 
 
 def _lifecycle_0518() -> tuple:
-    name, header, edits = lifecycle_patch(" " * 12, ACK_EDITS_0518)
-    header = header.replace(" Deferred\ndecode KV release (prefill's drain acknowledgements) is turned on\non both roles.", "")
-    return name, header + HEADER_0518, [edit for edit in edits if edit[1] != DEFERRED_FLAG]
+    name, header, edits = lifecycle_patch(" " * 12, ACK_EDITS_0518, deferred_release=False)
+    return name, header + HEADER_0518, edits
 
 
 _SERIES = [patch for patch in _PATCHES_0519 if patch[0] not in ("page-lifecycle", "kv-digest")]
