@@ -36,9 +36,14 @@ BODY_LIMIT = 256 * 1024
 
 
 def _auth_headers(method: str, target: str, body: object) -> dict:
-    """The control-plane patch's token for one request to a bootstrap server ({} without a secret)."""
-    from sglang.srt.disaggregation.common import pd_auth
-
+    """The control-plane patch's token for one request to a bootstrap server ({} without a secret, and in a
+    series without that patch: the 0.4.x ones)."""
+    try:
+        from sglang.srt.disaggregation.common import pd_auth
+    except ModuleNotFoundError as exc:
+        if exc.name != "sglang.srt.disaggregation.common.pd_auth":
+            raise
+        return {}
     return pd_auth.headers(method, target, body)
 
 

@@ -1,6 +1,16 @@
 """0.4.9.post6: set_finish_with_abort writes finished_reason directly (no to_finish); no is_aborted();
 ``self.stream_output``; Mooncake has its own manager and bootstrap server; the metadata has no room, so
-the coverage patch carries the room itself; decode commits inline in pop_transferred."""
+the coverage patch carries the room itself; decode commits inline in pop_transferred.
+
+The page-tag, canary and digest patches run the 0.5.x series' modules unchanged; only their hooks differ:
+- decode hands a request's pages to the backend in ``kv_receiver.init(page_indices, metadata_buffer_index)``
+  (no send_metadata): the canary stamps before it, the ledger learns the pages after it;
+- there is no ``_commit_transfer_to_req``: each check goes into pop_transferred's success branch after the
+  coverage check, and a refused transfer is answered and released there as the coverage check does it;
+- both allocators live in ``mem_cache/allocator.py`` and free inline in ``free`` (as on 0.5.10.post1);
+- no control-plane authentication patch: the digest routes are open like this series' rejection routes
+  (the digest client sends no token; PUT is still accepted from this host only).
+No page-lifecycle patch: decode never tells prefill of an abort in this release line."""
 
 from common_text import *  # noqa: F403
 
@@ -111,6 +121,115 @@ COVERAGE_CHECK_METHOD_049 = '''    def _transfer_covers_prompt(self, decode_req:
 '''
 
 DECODE_NOTIFY_ABORT_049 = DECODE_NOTIFY_ABORT
+
+KV_INIT_049 = "            decode_req.kv_receiver.init(page_indices, decode_req.metadata_buffer_index)\n"
+COMMIT_049 = "                decode_req.req.output_ids.append(output_id[0].item())\n"
+ALLOCATOR_049 = ALLOC_TOKEN.rsplit("/", 1)[0] + ".py"  # mem_cache/allocator.py: both allocators
+DECODE_IMPORT_049 = "from sglang.srt.mem_cache.allocator import BaseTokenToKVPoolAllocator\n"
+
+
+def refusal_block_049(comment: str, variable: str, call: str, label: str) -> str:
+    """A check in pop_transferred's success branch: a real transfer it refuses is answered 500 and released."""
+    return (f"                # sglang-harden backport: {comment}\n"
+            f"                {variable} = (\n"
+            f"                    None\n"
+            f"                    if decode_req.req.bootstrap_host == FAKE_BOOTSTRAP_HOST\n"
+            f"                    else {call}\n"
+            f"                )\n"
+            f"                if {variable} is not None:\n"
+            f"                    prepare_abort(\n"
+            f"                        decode_req.req,\n"
+            f"                        \"sglang-harden {label} check failed: \" + {variable},\n"
+            f"                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
+            f"                    )\n"
+            f"                    self.scheduler.stream_output(\n"
+            f"                        [decode_req.req], decode_req.req.return_logprob\n"
+            f"                    )\n"
+            f"                    self.tree_cache.cache_finished_req(decode_req.req)\n"
+            f"                    if hasattr(decode_req.kv_receiver, \"clear\"):\n"
+            f"                        decode_req.kv_receiver.clear()\n"
+            f"                    indices_to_remove.add(i)\n"
+            f"                    continue\n")
+
+
+H_PAGE_TAGS_049 = (H_PAGE_TAGS
+                   .replace("(after send_metadata, any\nbackend: ", "(after kv_receiver.init:\n")
+                   .replace("before _commit_transfer_to_req commits a transfer (after the coverage check)",
+                            "before pop_transferred commits a transfer (after the coverage check)")
+                   .replace(" (its cached prefix: written),", " (decode matches\nno prefix in this release),"))
+H_CANARY_049 = (H_CANARY
+                .replace("transfer backend (send_metadata, any backend)", "transfer backend (kv_receiver.init)")
+                .replace("Before _commit_transfer_to_req commits", "Before pop_transferred commits"))
+H_DIGEST_049 = (H_DIGEST
+                .replace("GET /sglang_harden/digest_feed, authenticated by the control-plane patch's secret like every route).",
+                         "GET /sglang_harden/digest_feed; this series has no control-plane authentication, so they\n"
+                         "are as open as its rejection routes).")
+                .replace("Before _commit_transfer_to_req commits", "Before pop_transferred commits"))
+assert H_PAGE_TAGS_049.count("kv_receiver.init") == 1 and "_commit_transfer_to_req" not in H_PAGE_TAGS_049
+assert "send_metadata" not in H_CANARY_049 and "_commit_transfer_to_req" not in H_CANARY_049
+assert "_commit_transfer_to_req" not in H_DIGEST_049 and "no control-plane" in H_DIGEST_049
+
+
+def page_tags_patch_049() -> tuple[str, str, list]:
+    publish = prealloc_call(" " * 12, "the ledger learns whose pages the transfer writes.",
+                            "pd_page_tags.note_published", "self.token_to_kv_pool_allocator")
+    check = refusal_block_049(
+        "decode only over pages this request's own transfer wrote.", "page_tag_refusal",
+        "pd_page_tags.refusal_at_commit(\n                        decode_req.req,\n"
+        "                        self.scheduler.req_to_token_pool.req_to_token,\n                    )",
+        "page ownership")
+    token_free = ("        if self.is_not_in_free_group:\n"
+                  "            self.release_pages = torch.cat((self.release_pages, free_index))\n")
+    paged_free = "            free_page_indices = torch.unique(free_index // self.page_size)\n"
+    utils_import = "from sglang.srt.utils import get_bool_env_var, next_power_of_2\n"
+    return ("page-ownership-tags", H_PAGE_TAGS_049, [
+        (PAGETAGMOD, None, PD_PAGE_TAGS),
+        (DECODE, DECODE_IMPORT_049, PAGE_TAGS_IMPORT + DECODE_IMPORT_049),
+        (DECODE, KV_INIT_049, KV_INIT_049 + publish),
+        (DECODE, COMMIT_049, check + COMMIT_049),
+        (ALLOCATOR_049, token_free, "        if self.is_not_in_free_group:\n"
+         "            pd_page_tags.note_freed(self, free_index)  # sglang-harden backport\n"
+         + token_free.split("\n", 1)[1]),
+        (ALLOCATOR_049, paged_free,
+         paged_free + "            pd_page_tags.note_freed(self, free_page_indices)  # sglang-harden backport\n"),
+        (ALLOCATOR_049, utils_import, PAGE_TAGS_IMPORT + utils_import),
+    ])
+
+
+def canary_patch_049() -> tuple[str, str, list]:
+    stamp = prealloc_call(" " * 12, "stamp the pages before their indices leave (kv canary).",
+                          "pd_canary.stamp_before_send", "self.token_to_kv_pool_allocator.get_kvcache()")
+    check = refusal_block_049(
+        "a reserved page still holding its canary was never written.", "canary_refusal",
+        "pd_canary.refusal_at_commit(decode_req.req, self.gloo_group)", "canary")
+    return ("kv-canary", H_CANARY_049, [
+        (CANARYMOD, None, PD_CANARY),
+        (DECODE, DECODE_IMPORT_049, CANARY_IMPORT + DECODE_IMPORT_049),
+        (DECODE, KV_INIT_049, stamp + KV_INIT_049),
+        (DECODE, COMMIT_049, check + COMMIT_049),
+    ])
+
+
+def digest_patch_049() -> tuple[str, str, list]:
+    check = refusal_block_049(
+        "the received KV rows must digest to what prefill sent.", "digest_refusal",
+        "pd_digest.refusal_at_commit(\n                        decode_req.req,\n"
+        "                        self.scheduler,\n                        decode_req.kv_receiver,\n"
+        "                        self.gloo_group,\n                    )", "KV digest")
+    coverage_import = "from sglang.srt.disaggregation.utils import COVERAGE_SLOTS, encode_coverage\n"
+    rejections_import = "from sglang.srt.disaggregation.common import pd_rejections\n"
+    return ("kv-digest", H_DIGEST_049, [
+        (DIGESTMOD, None, PD_DIGEST),
+        (PREFILL, coverage_import, coverage_import + DIGEST_IMPORT),
+        (PREFILL, COVERAGE_PUBLISH_049, COVERAGE_PUBLISH_049 + DIGEST_PUBLISH),
+        (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n",
+         DIGEST_IMPORT + "from sglang.srt.disaggregation.common.utils import (\n"),
+        (MOONCAKE, REJECTION_ROUTES, REJECTION_ROUTES +
+         "        pd_digest.add_routes(self.app)  # sglang-harden backport: the KV digest board\n"),
+        (DECODE, DECODE_IMPORT_049, DIGEST_IMPORT + DECODE_IMPORT_049),
+        (DECODE, COMMIT_049, check + COMMIT_049),
+    ])
+
 
 PATCHES = [
     ("admission-at-both-doors", H_ADMISSION_049, [
@@ -241,4 +360,7 @@ PATCHES = [
         (SCHED, "    def init_tokenizer(self):\n", CAPACITY_METHOD + "    def init_tokenizer(self):\n"),
         (TOKENIZER, TOKENIZER_ANCHOR, TOKENIZER_CLAMP),
     ]),
+    page_tags_patch_049(),
+    canary_patch_049(),
+    digest_patch_049(),
 ]

@@ -18,8 +18,8 @@ Kinds:
 
 Vanilla decode generates over the result without noticing; the checksum and canary guards must abort the first
 two, the page-tag guard the third.
-Wraps ``DecodeTransferQueue._commit_transfer_to_req`` and the Mooncake/NIXL managers' ``send_kvcache``
-(outside sglang-harden's own wrappers, keeping their marks).
+Wraps ``DecodeTransferQueue._commit_transfer_to_req`` (0.4.x, which commits inline: ``pop_transferred``) and the
+Mooncake/NIXL managers' ``send_kvcache`` (outside sglang-harden's own wrappers, keeping their marks).
 """
 
 from __future__ import annotations
@@ -98,18 +98,53 @@ def _decode_rank(queue: Any) -> int:
     return (_tp_coordinates(queue.scheduler) or (0, 1))[0]
 
 
+def _flip_rooms(queue: Any) -> set[int]:
+    return faults("flip") | faults(f"flip@{_decode_rank(queue)}")
+
+
+def _fault_before_commit(queue: Any, req: Any) -> None:
+    room = getattr(req, "bootstrap_room", None)
+    if room is not None and int(room) in _flip_rooms(queue):
+        _flip_one_bit(queue, req)
+    if room is not None and int(room) in faults("table"):
+        _repoint_one_page(queue, req)
+
+
 def _wrap_commit(original: Any) -> Any:
     @functools.wraps(original)
     def commit(self: Any, decode_req: Any) -> Any:
-        room = getattr(decode_req.req, "bootstrap_room", None)
-        rooms = faults("flip") | faults(f"flip@{_decode_rank(self)}")
-        if room is not None and int(room) in rooms:
-            _flip_one_bit(self, decode_req.req)
-        if room is not None and int(room) in faults("table"):
-            _repoint_one_page(self, decode_req.req)
+        _fault_before_commit(self, decode_req.req)
         return original(self, decode_req)
 
     return commit
+
+
+def _wrap_pop_transferred(original: Any) -> Any:
+    """0.4.x commits inline in ``pop_transferred``. A fault room's receiver is polled once before the call and
+    answers that for the whole call, so the call commits exactly the transfer that was faulted (or none)."""
+    from sglang.srt.disaggregation.base import KVPoll
+
+    @functools.wraps(original)
+    def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rooms = _flip_rooms(self) | faults("table")
+        held = []
+        for decode_req in list(self.queue):
+            room = getattr(decode_req.req, "bootstrap_room", None)
+            if room is None or int(room) not in rooms:
+                continue
+            receiver = decode_req.kv_receiver
+            answer = receiver.poll()
+            receiver.poll = lambda answer=answer: answer  # an instance attribute: shadows the method
+            held.append(receiver)
+            if int(answer) == int(KVPoll.Success):
+                _fault_before_commit(self, decode_req.req)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for receiver in held:
+                del receiver.poll
+
+    return pop_transferred
 
 
 def _wrap_send_kvcache(original: Any) -> Any:
@@ -126,7 +161,11 @@ def _wrap_send_kvcache(original: Any) -> Any:
 
 
 def _patch_decode(module: ModuleType) -> None:
-    wrap_methods_once(module.DecodeTransferQueue, "_sglang_harden_kvfault", {"_commit_transfer_to_req": _wrap_commit})
+    queue = module.DecodeTransferQueue
+    if hasattr(queue, "_commit_transfer_to_req"):
+        wrap_methods_once(queue, "_sglang_harden_kvfault", {"_commit_transfer_to_req": _wrap_commit})
+    else:  # 0.4.x
+        wrap_methods_once(queue, "_sglang_harden_kvfault", {"pop_transferred": _wrap_pop_transferred})
 
 
 def _patch_manager(class_name: str) -> Any:
