@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 from sglang_harden.compat.internals import (  # noqa: F401 - the detectors import SGLang's names from here
     ARG_GROUPS,
+    COMMIT,
     CONN,
     DECODE,
     ENVIRON,
     KV_CANARY_MODULES,
     MOONCAKE,
+    POP_TRANSFERRED,
     PREFILL,
     SERVER_ARGS,
     SET_FINISH_WITH_ABORT,
@@ -198,3 +200,9 @@ def branch_aborts(node: ast.If) -> bool:
     body = ast.Module(body=node.body, type_ignores=[])
     return any(ABORT_CALL_RE.search(call_name(c)) for c in calls(body)) or any(
         isinstance(s, ast.Raise) for s in ast.walk(body))
+
+
+def commit_point(tree: SourceTree) -> FuncRef | None:
+    """Where decode commits a finished transfer: ``_commit_transfer_to_req``, or on 0.4.x (which has none)
+    ``pop_transferred`` itself."""
+    return tree.function(*COMMIT) or tree.function(*POP_TRANSFERRED)

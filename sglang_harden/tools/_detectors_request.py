@@ -9,10 +9,12 @@ import re
 from sglang_harden.compat.internals import (
     COMMIT,
     DECODE_DOOR,
+    PAGED_FREE_ONE_MODULE,
     PAGED_RELEASE,
     POP_TRANSFERRED,
     PREFILL_DOOR,
     TOKEN_FREE,
+    TOKEN_FREE_ONE_MODULE,
 )
 from sglang_harden.tools._detect_base import (
     DECODE,
@@ -27,6 +29,7 @@ from sglang_harden.tools._detect_base import (
     abort_fields,
     aborting_if,
     branch_aborts,
+    commit_point,
     dominated_by,
     guarded_ifs,
     line_of,
@@ -135,12 +138,14 @@ def _length_compare(ref: FuncRef) -> ast.If | None:
 
 
 _DIGEST_RE = re.compile(r"digest", re.I)
+# a call that publishes a digest (``pd_digest.publish_before_final_send``), not any ``.digest()`` (hashlib's)
+_DIGEST_PUBLISH_RE = re.compile(r"digest\w*\.publish|publish\w*digest", re.I)
 
 
 def _backported_digest(tree: SourceTree) -> Native | None:
     """The backport series' digest: decode's commit path aborts on a digest verdict (``pd_digest``), on by default;
     None when the commit path has no such check."""
-    commit = tree.function(*COMMIT)
+    commit = commit_point(tree)
     if commit is None:
         return None
     check = next((hit for ref in tree.reachable(commit, depth=1)
@@ -149,7 +154,7 @@ def _backported_digest(tree: SourceTree) -> Native | None:
         return None
     evidence = [line_of(commit, check)]
     prefill = tree.module(PREFILL)
-    if prefill is None or not any(_DIGEST_RE.search(call_name(c)) for c in calls(prefill)):
+    if prefill is None or not any(_DIGEST_PUBLISH_RE.search(ast.unparse(c.func)) for c in calls(prefill)):
         return Native(PARTIAL, "decode verifies a KV digest but prefill publishes none", evidence)
     return Native(YES, "decode verifies the KV digest prefill publishes (on by default)", evidence)
 
@@ -200,20 +205,23 @@ def _compares_values(func: ast.FunctionDef) -> bool:
 _OWNERSHIP_RE = re.compile(r"page_?tag|page_?owner|ownership", re.I)
 _LEDGER_CALL_RE = re.compile(r"note_freed|ledger|page_?tag", re.I)
 ALLOCATOR_FREES = (TOKEN_FREE, PAGED_RELEASE)
+ALLOCATOR_FREES_ONE_MODULE = (TOKEN_FREE_ONE_MODULE, PAGED_FREE_ONE_MODULE)
 
 
 def detect_page_ownership(tree: SourceTree) -> Native:
     """Decode's commit path aborts on a page-ownership verdict, and both allocators' free paths tell the ledger
     behind it that pages came back (the backport series' ``pd_page_tags``)."""
-    commit = tree.function(*COMMIT)
+    commit = commit_point(tree)
     if commit is None:
-        return Native(UNKNOWN, "DecodeTransferQueue._commit_transfer_to_req not found")
+        return Native(UNKNOWN, "DecodeTransferQueue._commit_transfer_to_req and pop_transferred not found")
     check = next((hit for ref in tree.reachable(commit, depth=1)
                   if (hit := aborting_if(ref, _OWNERSHIP_RE)) is not None), None)
     if check is None:
         return Native(NO, "decode commits without checking whose pages the request reads", [commit.where])
     evidence = [line_of(commit, check)]
     frees = [tree.function(*target) for target in ALLOCATOR_FREES]
+    if all(ref is None for ref in frees):
+        frees = [tree.function(*target) for target in ALLOCATOR_FREES_ONE_MODULE]
     silent = [ref.where for ref in frees if ref is not None
               and not any(_LEDGER_CALL_RE.search(call_name(c)) for c in calls(ref.node))]
     if silent or all(ref is None for ref in frees):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from sglang_harden.compat.internals import COMMIT, NOTE_ABORT_ACK, PAGED_RELEASE, POP_TRANSFERRED, TOKEN_FREE
+from sglang_harden.compat.internals import NOTE_ABORT_ACK, PAGED_RELEASE, POP_TRANSFERRED, TOKEN_FREE
 from sglang_harden.tools._detect_base import (
     CONN,
     DECODE,
@@ -20,6 +20,7 @@ from sglang_harden.tools._detect_base import (
     Native,
     aborting_if,
     backend_modules,
+    commit_point,
     env_default,
     line_of,
     sender_classes,
@@ -61,7 +62,7 @@ _CANARY_RE = re.compile(r"canary", re.I)
 
 
 def detect_kv_canary(tree: SourceTree) -> Native:
-    commit = tree.function(*COMMIT)
+    commit = commit_point(tree)
     patched = next((hit for ref in tree.reachable(commit, depth=1) if (hit := aborting_if(ref, _CANARY_RE))),
                    None) if commit is not None else None
     if commit is not None and patched is not None:
