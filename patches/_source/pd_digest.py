@@ -24,6 +24,7 @@ refusal, decode anyway), ``off`` (no digest published or checked). Any other val
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from enum import Enum
@@ -40,9 +41,9 @@ def _auth_headers(method: str, target: str, body: object) -> dict:
     series without that patch: the 0.4.x ones)."""
     try:
         from sglang.srt.disaggregation.common import pd_auth
-    except ModuleNotFoundError as exc:
-        if exc.name != "sglang.srt.disaggregation.common.pd_auth":
-            raise
+    except ImportError:
+        if importlib.util.find_spec("sglang.srt.disaggregation.common.pd_auth") is not None:
+            raise  # the module is there and broken: no digest exchange without its token
         return {}
     return pd_auth.headers(method, target, body)
 

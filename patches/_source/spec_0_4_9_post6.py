@@ -122,6 +122,39 @@ COVERAGE_CHECK_METHOD_049 = '''    def _transfer_covers_prompt(self, decode_req:
 
 DECODE_NOTIFY_ABORT_049 = DECODE_NOTIFY_ABORT
 
+H_STATUS_049 = """\
+sglang-harden backport: a request the scheduler failed with 500 is answered 500, not an empty 200
+
+What: the tokenizer manager raises the scheduler's verdict as an HTTP error for a request that finished
+with FINISH_ABORT and status 500 (it already does so for 400 and 503): the client gets 500 and the
+scheduler's message instead of HTTP 200 with no tokens.
+
+Why: in this release a request decode refuses - the coverage, page-tag, canary and digest checks of this
+series, or a failed transfer - is answered HTTP 200 with an empty completion and the reason only in
+meta_info.finish_reason. A client or router that trusts the status takes the refusal for an answer.
+"""
+
+TOKENIZER_400_049 = (
+    "                    if (\n"
+    "                        finish_reason.get(\"type\") == \"abort\"\n"
+    "                        and finish_reason.get(\"status_code\") == HTTPStatus.BAD_REQUEST\n"
+    "                    ):\n"
+    "                        raise ValueError(finish_reason[\"message\"])\n"
+)
+TOKENIZER_500_049 = TOKENIZER_400_049 + (
+    "\n"
+    "                    if (\n"
+    "                        finish_reason.get(\"type\") == \"abort\"\n"
+    "                        and finish_reason.get(\"status_code\")\n"
+    "                        == HTTPStatus.INTERNAL_SERVER_ERROR\n"
+    "                    ):\n"
+    "                        # sglang-harden backport: a failed request is an error, not an empty 200.\n"
+    "                        raise fastapi.HTTPException(\n"
+    "                            status_code=finish_reason[\"status_code\"],\n"
+    "                            detail=finish_reason[\"message\"],\n"
+    "                        )\n"
+)
+
 KV_INIT_049 = "            decode_req.kv_receiver.init(page_indices, decode_req.metadata_buffer_index)\n"
 COMMIT_049 = "                decode_req.req.output_ids.append(output_id[0].item())\n"
 ALLOCATOR_049 = ALLOC_TOKEN.rsplit("/", 1)[0] + ".py"  # mem_cache/allocator.py: both allocators
@@ -294,6 +327,7 @@ PATCHES = [
         (DECODE, "    def pop_transferred(self) -> List[Req]:\n",
          COVERAGE_CHECK_METHOD_049 + "    def pop_transferred(self) -> List[Req]:\n"),
     ]),
+    ("answer-failed-requests-with-500", H_STATUS_049, [(TOKENIZER, TOKENIZER_400_049, TOKENIZER_500_049)]),
     ("notify-decode-of-prefill-rejections", H_NOTIFY_049, [
         (NEWMOD, None, PD_REJECTIONS),
         (TOKENIZER, "from sglang.srt.disaggregation.utils import (\n",

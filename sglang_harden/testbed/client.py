@@ -44,6 +44,8 @@ class GenResult:
                 return str(err.get("message", err))
             if err is not None:
                 return str(err)
+            if "detail" in self.body:  # FastAPI's answer to an HTTPException (0.4.x: a scheduler abort of 500/503)
+                return str(self.body["detail"])
             return str(self.body.get("message", ""))
         return str(self.body)[:500]
 

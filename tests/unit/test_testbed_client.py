@@ -44,3 +44,10 @@ def test_a_difference_without_top_logprobs_or_lengths_counts() -> None:
     assert "do not hold both" in (greedy_difference(x, y, 0.01) or "")
     z = _parse(200, {"meta_info": {"output_token_logprobs": [[-0.1, 4, None], [-0.1, 4, None]]}}, 0.1)
     assert "output tokens" in (greedy_difference(x, z, 0.01) or "")
+
+
+def test_error_messages_of_each_answer_shape() -> None:
+    """SGLang's own error body, FastAPI's HTTPException body (0.4.x answers a scheduler abort of 500/503 so), text."""
+    assert _parse(400, {"error": {"message": "too long"}}, 0.1).error_message() == "too long"
+    assert _parse(500, {"detail": "page ownership check failed"}, 0.1).error_message() == "page ownership check failed"
+    assert _parse(502, "bad gateway", 0.1).error_message() == "bad gateway"
