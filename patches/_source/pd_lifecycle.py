@@ -27,6 +27,14 @@ prefill
 - ``ack_deferred`` (``CommonKVManager._send_abort_ack``): an acknowledgement of a room whose failed write may still
   land is sent by a timer once the write's lifetime passed.
 Both roles: ``deferred_release`` turns SGLang's deferred decode KV release (prefill's drain acknowledgements) on.
+releases with no abort notice at all (0.4.x Mooncake): this module carries both messages over the ZMQ sockets the
+release already has (decode's notice to each prefill rank's bootstrap socket, prefill's acknowledgement to decode's)
+- ``send_abort_notice_frames`` (decode, the receiver's ``_send_abort_notification``) and ``abort_notice_received``
+  (prefill's bootstrap thread): prefill drops the room's KV chunks from then on and acknowledges once none is in
+  flight;
+- ``chunk_starts`` / ``chunk_done`` (prefill's transfer worker): a chunk is counted in flight before the worker
+  looks at whether decode aborted its room;
+- ``ack_frames_received`` (decode's receiver thread): an acknowledgement is drain evidence like ``note_ack``.
 
 The ledger and the rules are sglang-harden's own code (``guards/page_ledger.py``, ``guards/lifecycle.py``), put in
 below when the series is generated, so a patched and a plugin node judge alike. ``SGLANG_HARDEN_LIFECYCLE``:
@@ -297,8 +305,10 @@ def release_drained() -> None:
     index = torch.tensor(pages, dtype=torch.int64, device=node.allocator.device)
     if node.page_size == 1:
         node.allocator.free(index)
-    else:
+    elif hasattr(node.allocator, "_release_page_ids"):
         node.allocator._release_page_ids(index)
+    else:  # to 0.5.12 the paged allocator frees token slots (the pages they are on)
+        node.allocator.free(index * node.page_size)
 
 
 def note_ack(room: int, rank: int) -> None:
@@ -407,7 +417,7 @@ def ack_when_drained(manager: Any, room: int, decode_ip: str, decode_port: int) 
 def ack_if_drained(manager: Any, room: int) -> None:
     """Transfer worker (a chunk of ``room`` finished or was skipped) or abort handler: send the pending
     acknowledgement of ``room`` if no chunk of it is in flight; at most once."""
-    if manager._staging_outstanding.get(room, 0) > 0:
+    if _chunks_in_flight(manager, room) > 0:
         return
     with _ACK_LOCK:
         target = _ACK_TARGETS.pop((id(manager), int(room)), None)
@@ -418,6 +428,9 @@ def ack_if_drained(manager: Any, room: int) -> None:
 def send_drain_ack(manager: Any, room: int, decode_ip: str, decode_port: int) -> None:
     """``ABORT_ACK <room> <prefill rank>`` to decode; held while a failed write of the room may still land."""
     if ack_deferred(room, lambda: send_drain_ack(manager, room, decode_ip, decode_port)):
+        return
+    if not hasattr(manager, "_send_multipart_locked"):  # 0.4.x: the acknowledgement this module defines
+        _send_ack_frames(manager, room, decode_ip, decode_port)
         return
     from sglang.srt.utils.network import NetworkAddress
 
@@ -430,3 +443,116 @@ def send_drain_ack(manager: Any, room: int, decode_ip: str, decode_port: int) ->
     except Exception as exc:  # noqa: BLE001 - without it decode keeps the pages held (safe), so say it
         logger.warning("sglang-harden lifecycle: drain acknowledgement of room %s to %s:%s failed: %r",
                        room, decode_ip, decode_port, exc)
+
+
+# ---- releases with no abort notice at all (0.4.x Mooncake): both messages are this module's
+
+ABORT_NOTICE = b"SGH_ABORT"  # decode -> each prefill rank: room, decode ip, decode port (4 frames, as 0.4.x's own)
+ACK_NOTICE = b"SGH_ABORT_ACK"  # prefill rank -> decode: room, prefill rank (3 frames, as 0.4.x's status message)
+_ABORTED: dict[tuple[int, int], None] = {}  # (id(manager), room): decode aborted it (oldest age out)
+_CHUNKS: dict[tuple[int, int], int] = {}  # (id(manager), room): chunks the transfer worker holds
+_ACK_SOCKETS: dict[str, Any] = {}
+
+
+def _chunks_in_flight(manager: Any, room: int) -> int:
+    counts = getattr(manager, "_staging_outstanding", None)  # 0.5.18 counts its chunks itself
+    if counts is not None:
+        return int(counts.get(room, 0))
+    with _ACK_LOCK:
+        return _CHUNKS.get((id(manager), int(room)), 0)
+
+
+def send_abort_notice_frames(receiver: Any) -> None:
+    """Decode: tell every prefill rank of the receiver's room to stop writing it and to acknowledge its drain."""
+    mgr = receiver.kv_mgr
+    frames = [ABORT_NOTICE, str(receiver.bootstrap_room).encode("ascii"), str(mgr.local_ip).encode("ascii"),
+              str(mgr.rank_port).encode("ascii")]
+    for info in receiver.bootstrap_infos:
+        sock, lock = receiver._connect_to_bootstrap_server(info)
+        with lock:
+            sock.send_multipart(frames)
+
+
+def abort_notice_received(manager: Any, frames: list) -> bool:
+    """Prefill's bootstrap thread: True when ``frames`` is decode's abort notice (handled here: from now on the
+    room's chunks are dropped, and decode is acknowledged once none of them is in flight)."""
+    if not frames or frames[0] != ABORT_NOTICE:
+        return False
+    room, decode_ip, decode_port = int(frames[1]), frames[2].decode("ascii"), int(frames[3])
+    if MODE == "off":
+        return True
+    with _ACK_LOCK:
+        _ABORTED[(id(manager), room)] = None
+        while len(_ABORTED) > MAX_FAILED_ROOMS:
+            _ABORTED.pop(next(iter(_ABORTED)))
+    logger.warning("sglang-harden lifecycle: decode %s:%s aborted room %s; its KV chunks are dropped, the drain is "
+                   "acknowledged once none is in flight", decode_ip, decode_port, room)
+    _fail_room(manager, room)
+    ack_when_drained(manager, room, decode_ip, decode_port)
+    return True
+
+
+def chunk_starts(manager: Any, room: int) -> bool:
+    """Prefill's transfer worker took a chunk of ``room``: count it in flight, then True when decode aborted the room
+    (the caller drops the chunk and calls ``chunk_done``)."""
+    if MODE == "off":
+        return False
+    key = (id(manager), int(room))
+    with _ACK_LOCK:
+        _CHUNKS[key] = _CHUNKS.get(key, 0) + 1
+        aborted = key in _ABORTED
+    if aborted:
+        _fail_room(manager, room)
+        manager.transfer_infos.pop(int(room), None)
+    return aborted
+
+
+def chunk_done(manager: Any, room: int) -> None:
+    """Prefill's transfer worker is done with a chunk of ``room`` (sent, failed or dropped)."""
+    if MODE == "off":
+        return
+    key = (id(manager), int(room))
+    with _ACK_LOCK:
+        left = _CHUNKS.get(key, 0) - 1
+        if left > 0:
+            _CHUNKS[key] = left
+        else:
+            _CHUNKS.pop(key, None)
+    ack_if_drained(manager, room)
+
+
+def _fail_room(manager: Any, room: int) -> None:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    if int(room) in manager.request_status:
+        manager.record_failure(int(room), "sglang-harden lifecycle: aborted by decode")
+        manager.update_status(int(room), KVPoll.Failed)
+
+
+def _send_ack_frames(manager: Any, room: int, decode_ip: str, decode_port: int) -> None:
+    import zmq
+
+    from sglang.srt.utils import format_tcp_address, is_valid_ipv6_address
+
+    endpoint = format_tcp_address(decode_ip, decode_port)
+    try:
+        with _ACK_LOCK:  # a socket of this module's own: SGLang's are used from its worker threads unlocked
+            sock = _ACK_SOCKETS.get(endpoint)
+            if sock is None:
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                if is_valid_ipv6_address(decode_ip):
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.connect(endpoint)
+                _ACK_SOCKETS[endpoint] = sock
+            sock.send_multipart([ACK_NOTICE, str(room).encode("ascii"),
+                                 str(manager.kv_args.engine_rank).encode("ascii")])
+    except Exception as exc:  # noqa: BLE001 - without it decode keeps the pages held (safe), so say it
+        logger.warning("sglang-harden lifecycle: drain acknowledgement of room %s to %s failed: %r", room, endpoint, exc)
+
+
+def ack_frames_received(frames: list) -> bool:
+    """Decode's receiver thread: True when ``frames`` is a prefill rank's drain acknowledgement (recorded here)."""
+    if len(frames) != 3 or frames[0] != ACK_NOTICE:
+        return False
+    note_ack(int(frames[1]), int(frames[2]))
+    return True

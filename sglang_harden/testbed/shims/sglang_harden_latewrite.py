@@ -5,7 +5,8 @@ acts on prefill's KV writes of the listed bootstrap rooms, and with ``rid_prefix
 request whose rid starts with ``p`` (learnt when prefill's scheduler takes the request in: behind sglang-router the
 room is chosen by the router, so the test can only name the request):
 
-- Mooncake: ``MooncakeKVManager._transfer_data``, the call into the transfer engine;
+- Mooncake: ``MooncakeKVManager._transfer_data``, the call into the transfer engine (0.4.x, which has none:
+  ``send_kvcache``, whose executor threads call the engine);
 - NIXL: the post of the KV transfer handle (``nixl_agent.transfer`` called from inside
   ``NixlKVManager.send_kvcache`` / ``send_kvcache_mixed`` / ``send_kvcache_slice``; the aux and state posts of the
   same room are left alone).
@@ -166,18 +167,14 @@ def _probe_recovers(mgr: Any, session_id: str) -> None:
         mgr.session_failures.pop(session_id, None)
 
 
-def _patch_manager(module: ModuleType) -> None:
-    cls = module.MooncakeKVManager
-    if getattr(cls, "_sglang_harden_latewrite", False):
-        return
-    delay, rooms, timeout = parse(os.environ[ENV])
-    original = cls._transfer_data
+def _delays(original: Any, delay: float, rooms: set[int], timeout: float | None) -> Any:
+    """``original(self, session_id, blocks, *rest)`` (a call that writes KV) made late for the listed rooms."""
 
-    def transfer_data(self: Any, session_id: str, transfer_blocks: Any) -> Any:
+    def write(self: Any, session_id: str, blocks: Any, *rest: Any) -> Any:
         room = getattr(_tls, "room", None)
-        if room not in rooms or not transfer_blocks:
-            return original(self, session_id, transfer_blocks)
-        args = (self, session_id, list(transfer_blocks))
+        if room not in rooms or blocks is None or not len(blocks):
+            return original(self, session_id, blocks, *rest)
+        args = (self, session_id, blocks if hasattr(blocks, "__len__") else list(blocks), *rest)
         if timeout is None:
             return _late(original, delay, room, args, "blocking")
         threading.Thread(target=_late, args=(original, delay, room, args, "timed_out"), daemon=True).start()
@@ -186,7 +183,18 @@ def _patch_manager(module: ModuleType) -> None:
         threading.Timer(0.5, _probe_recovers, (self, session_id)).start()
         return -1
 
-    cls._transfer_data = transfer_data
+    return write
+
+
+def _patch_manager(module: ModuleType) -> None:
+    cls = module.MooncakeKVManager
+    if getattr(cls, "_sglang_harden_latewrite", False):
+        return
+    delay, rooms, timeout = parse(os.environ[ENV])
+    if hasattr(cls, "_transfer_data"):
+        cls._transfer_data = _delays(cls._transfer_data, delay, rooms, timeout)
+    else:  # 0.4.x: send_kvcache drives the engine from its executor's threads; the whole send is made late
+        cls.send_kvcache = functools.wraps(cls.send_kvcache)(_delays(cls.send_kvcache, delay, rooms, timeout))
     _mark_kv_sends(cls, rooms)
     cls._sglang_harden_latewrite = True
 
