@@ -5,8 +5,8 @@ acts on prefill's KV writes of the listed bootstrap rooms, and with ``rid_prefix
 request whose rid starts with ``p`` (learnt when prefill's scheduler takes the request in: behind sglang-router the
 room is chosen by the router, so the test can only name the request):
 
-- Mooncake: ``MooncakeKVManager._transfer_data``, the call into the transfer engine (0.4.x, which has none:
-  ``send_kvcache``, whose executor threads call the engine);
+- Mooncake: ``MooncakeKVManager._transfer_data``, the call into the transfer engine (0.4.x: ``send_kvcache``, whose
+  executor threads make the engine calls);
 - NIXL: the post of the KV transfer handle (``nixl_agent.transfer`` called from inside
   ``NixlKVManager.send_kvcache`` / ``send_kvcache_mixed`` / ``send_kvcache_slice``; the aux and state posts of the
   same room are left alone).
@@ -186,15 +186,23 @@ def _delays(original: Any, delay: float, rooms: set[int], timeout: float | None)
     return write
 
 
+def _engine_called_off_the_worker_thread() -> bool:
+    """0.4.x's ``send_kvcache`` calls the engine only from its executor's threads, which do not know the room (0.4.10
+    through ``_transfer_data``, which the worker thread also calls for the aux data): the whole send is made late."""
+    from sglang.version import __version__
+
+    return str(__version__).startswith("0.4.")
+
+
 def _patch_manager(module: ModuleType) -> None:
     cls = module.MooncakeKVManager
     if getattr(cls, "_sglang_harden_latewrite", False):
         return
     delay, rooms, timeout = parse(os.environ[ENV])
-    if hasattr(cls, "_transfer_data"):
-        cls._transfer_data = _delays(cls._transfer_data, delay, rooms, timeout)
-    else:  # 0.4.x: send_kvcache drives the engine from its executor's threads; the whole send is made late
+    if _engine_called_off_the_worker_thread():
         cls.send_kvcache = functools.wraps(cls.send_kvcache)(_delays(cls.send_kvcache, delay, rooms, timeout))
+    else:
+        cls._transfer_data = _delays(cls._transfer_data, delay, rooms, timeout)
     _mark_kv_sends(cls, rooms)
     cls._sglang_harden_latewrite = True
 
