@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -369,6 +370,52 @@ def test_latewrite_shim_nixl_blocking_post(monkeypatch: pytest.MonkeyPatch, tmp_
     assert mgr.agent.posted == [handle]
     events = _trace_events(tmp_path)
     assert [(e["event"], e.get("mode")) for e in events] == [("kv_send", None), ("late_write", "blocking")]
+
+
+def _fake_mooncake_module(sent: list[str]) -> Any:
+    class MooncakeKVManager:
+        session_lock = threading.Lock()
+        failed_sessions: set[str] = set()
+        session_failures: dict[str, int] = {}
+
+        def _transfer_data(self, session_id: str, transfer_blocks: list[int]) -> int:
+            sent.append(f"engine {len(transfer_blocks)}")
+            return 0
+
+        def send_kvcache(self, session_id: str, prefill_kv_indices: list[int], dst_kv_ptrs: list[int],
+                         dst_kv_indices: list[int], executor: object) -> int:
+            sent.append(f"send {len(prefill_kv_indices)}")
+            return self._transfer_data(session_id, list(prefill_kv_indices))
+
+    return SimpleNamespace(MooncakeKVManager=MooncakeKVManager)
+
+
+@pytest.mark.parametrize(("version", "delayed"), [("0.4.10.post2", "send_kvcache"), ("0.5.19", "_transfer_data")])
+def test_latewrite_shim_mooncake_times_out_the_kv_write_of_each_release(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, version: str, delayed: str) -> None:
+    """0.4.x calls the engine from send_kvcache's executor threads (no room there), and 0.4.10 calls _transfer_data
+    for the aux data on the worker thread: the whole KV send is made late there, _transfer_data from 0.5 on."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "sglang", types.ModuleType("sglang"))
+    monkeypatch.setitem(sys.modules, "sglang.version", SimpleNamespace(__version__=version))
+    shim = _latewrite_shim(monkeypatch, "0.3:42:timeout=0.05", tmp_path)
+    sent: list[str] = []
+    module = _fake_mooncake_module(sent)
+    shim._patch_manager(module)
+    mgr = module.MooncakeKVManager()
+    shim._tls.room = 42
+    assert mgr.send_kvcache("s", [1, 2, 3], [], [7, 8, 9], None) == -1
+    assert sent == ([] if delayed == "send_kvcache" else ["send 3"])  # timed out; the write itself still pending
+    if delayed == "send_kvcache":
+        assert mgr._transfer_data("s", [1]) == 0 and sent == ["engine 1"]  # 0.4.10's aux: untouched
+    deadline = time.monotonic() + 3
+    while not any(e["event"] == "late_write" for e in _trace_events(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    events = _trace_events(tmp_path)
+    assert [e["event"] for e in events] == ["kv_send", "engine_timeout", "late_write"]
+    assert events[0]["dst_pages"] == [7, 8, 9] and events[2]["blocks"] == 3
 
 
 def test_demo_late_write_scenario_takes_a_backend(monkeypatch: pytest.MonkeyPatch,

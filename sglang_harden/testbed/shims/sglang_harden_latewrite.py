@@ -186,11 +186,15 @@ def _delays(original: Any, delay: float, rooms: set[int], timeout: float | None)
     return write
 
 
-def _engine_called_off_the_worker_thread() -> bool:
+def _engine_called_off_the_worker_thread(cls: Any) -> bool:
     """0.4.x's ``send_kvcache`` calls the engine only from its executor's threads, which do not know the room (0.4.10
     through ``_transfer_data``, which the worker thread also calls for the aux data): the whole send is made late."""
-    from sglang.version import __version__
-
+    if not hasattr(cls, "_transfer_data"):
+        return True
+    try:
+        from sglang.version import __version__
+    except ImportError:  # a stand-in manager, no SGLang here (unit tests)
+        return False
     return str(__version__).startswith("0.4.")
 
 
@@ -199,7 +203,7 @@ def _patch_manager(module: ModuleType) -> None:
     if getattr(cls, "_sglang_harden_latewrite", False):
         return
     delay, rooms, timeout = parse(os.environ[ENV])
-    if _engine_called_off_the_worker_thread():
+    if _engine_called_off_the_worker_thread(cls):
         cls.send_kvcache = functools.wraps(cls.send_kvcache)(_delays(cls.send_kvcache, delay, rooms, timeout))
     else:
         cls._transfer_data = _delays(cls._transfer_data, delay, rooms, timeout)
