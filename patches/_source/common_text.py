@@ -68,6 +68,7 @@ PAGETAGMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_page_tags")
 CANARYMOD = _SG.source_file(f"{_SG.PD}.common.pd_canary")
 LIFECYCLEMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_lifecycle")
 INVARIANTS = _SG.source_file(_SG.INVARIANTS)
+RUNTIME_CHECKER = _SG.source_file(_SG.RUNTIME_CHECKER)
 DIGESTMOD = _SG.source_file(f"{_SG.PD}.common.pd_digest")
 ALLOC_TOKEN = _SG.source_file(_SG.ALLOC_TOKEN)
 ALLOC_PAGED = _SG.source_file(_SG.ALLOC_PAGED)
@@ -663,3 +664,100 @@ def digest_patch() -> tuple[str, str, list]:
         (DECODE, "from sglang.srt.environ import envs\n", DIGEST_IMPORT + "from sglang.srt.environ import envs\n"),
         (DECODE, COMMIT_ANCHOR, DIGEST_CHECK_CALL + COMMIT_ANCHOR),
     ])
+
+
+# ---- the page lifecycle on releases with no abort notice from decode (0.4.x, 0.5.10.post1): its own messages
+
+H_LIFECYCLE_OWN_NOTICE = """\
+sglang-harden backport: page lifecycle (no KV page is reused while a write into it can still land)
+
+What: a new module mem_cache/pd_lifecycle.py (sglang-harden's own page ledger and lifecycle rules,
+generated into it). Decode records the pages it hands to the transfer backend (after <handed>)
+as being written for room:<bootstrap_room>, and as written once the transfer reported Success on every
+rank. The token and paged allocators' free paths keep back every page still being written (an aborted
+or failed transfer: quarantine) and decode sends an abort notice to every prefill rank of the room
+(SGH_ABORT on the rank's bootstrap socket; this release has no abort notice of its own). Prefill drops
+the room's KV chunks from then on (its transfer worker counts a chunk in flight before it looks) and
+answers SGH_ABORT_ACK on decode's socket once none is in flight; after a failed engine call it holds
+that answer until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself) passed.
+Quarantined pages leave in pop_transferred once every prefill rank acknowledged or the prefill node is
+known gone (_handle_node_failure), never on a timeout. The idle memory check counts them as held, not
+leaked. At the quarantine cap (SGLANG_HARDEN_QUARANTINE_CAP_PAGES, default a quarter of the pool)
+decode refuses new requests with 503. SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a
+plugin server.
+
+Why: decode frees an aborted request's pages at once, prefill keeps writing the room (its transfer
+worker never looks at an abort), and a write the engine gave up on can still land: the pages are then
+another request's and the late bytes land in its KV.
+Both sides must carry this patch: a decode with it holds the pages of an aborted transfer until prefill
+acknowledges, which an unpatched prefill never does (the pages then come back when it is gone).
+"""
+
+RELEASE_DRAINED = ("        pd_lifecycle.release_drained()  # sglang-harden backport: quarantined pages whose "
+                   "writers drained\n")
+
+
+def quarantine_door_edits(stream_output: str) -> list:
+    """Decode's door refuses a new request at the quarantine cap (releases without ``is_rebootstrap``)."""
+    door = ("        if not is_retracted and self._quarantine_full(req):\n"
+            "            return  # sglang-harden backport: at the quarantine cap\n")
+    method = QUARANTINE_DOOR_METHOD.replace("self.scheduler.output_streamer.stream_output", stream_output)
+    return [(DECODE, CAPACITY_DOOR, door + CAPACITY_DOOR),
+            (DECODE, CAPACITY_METHOD_ANCHOR, method + CAPACITY_METHOD_ANCHOR)]
+
+
+def quarantine_free_edits(allocator: str) -> list:
+    """Both allocators of one module (to 0.5.12, after the page-tag patch's lines) keep quarantined pages back."""
+    token_free = ("        if self.is_not_in_free_group:\n"
+                  "            pd_page_tags.note_freed(self, free_index)  # sglang-harden backport\n")
+    paged_free = "            free_page_indices = torch.unique(free_index // self.page_size)\n"
+    return [
+        (allocator, token_free, "        if self.is_not_in_free_group:\n"
+         "            free_index = pd_lifecycle.pages_to_free(self, free_index)  # sglang-harden backport\n"
+         + token_free.split("\n", 1)[1]),
+        (allocator, paged_free, paged_free + "            (free_page_indices,) = pd_lifecycle.page_ids_to_free(\n"
+         "                self, (free_page_indices,)\n            )  # sglang-harden backport: quarantine\n"),
+        (allocator, PAGE_TAGS_IMPORT, PAGE_TAGS_IMPORT + LIFECYCLE_IMPORT),
+    ]
+
+
+def held_as_available(check: str) -> str:
+    """An idle memory check whose first line reads ``available_size``: quarantined pages count as held, not leaked."""
+    first, rest = check.split("\n", 1)
+    indent = first[: len(first) - len(first.lstrip())]
+    return (first + "\n" + indent +
+            "available_size += pd_lifecycle.held_tokens()  # sglang-harden backport: held, not leaked\n" + rest)
+
+
+def own_notice_mooncake_edits(import_anchor: str, worker_end: str, status_recv: tuple[str, str],
+                              receiver_init: str, receiver_method_before: str) -> list:
+    """The Mooncake side of the lifecycle's own abort notice and drain acknowledgement (``pd_lifecycle``'s
+    ``SGH_ABORT`` / ``SGH_ABORT_ACK``): prefill's transfer worker counts a chunk before it looks whether decode aborted
+    the room, its bootstrap thread takes the notice, decode's thread the acknowledgement, and the receiver sends the
+    notice."""
+    worker_get = "                kv_chunk: TransferKVChunk = queue.get()\n"
+    notice = "                waiting_req_bytes = self.server_socket.recv_multipart()\n"
+    node_failure = "    def _handle_node_failure(self, failed_bootstrap_addr):\n"
+    return [
+        (MOONCAKE, import_anchor, LIFECYCLE_IMPORT + import_anchor),
+        (MOONCAKE, worker_get, worker_get +
+         "                if pd_lifecycle.chunk_starts(self, kv_chunk.room):\n"
+         "                    # sglang-harden backport: decode aborted the room; drop its chunk\n"
+         "                    pd_lifecycle.chunk_done(self, kv_chunk.room)\n"
+         "                    continue\n"),
+        (MOONCAKE, worker_end, "                pd_lifecycle.chunk_done(self, kv_chunk.room)  # sglang-harden backport\n"
+         + worker_end),
+        (MOONCAKE, MOONCAKE_FAILED_SEND, MOONCAKE_FAILED_SEND.replace(
+            "if ret != 0:\n", "if ret != 0:\n                            pd_lifecycle.note_failed_write(kv_chunk.room)"
+            "  # sglang-harden backport\n")),
+        (MOONCAKE, notice, notice + "                if pd_lifecycle.abort_notice_received(self, waiting_req_bytes):\n"
+         "                    continue  # sglang-harden backport: decode aborted a room\n"),
+        (MOONCAKE, *status_recv),
+        (MOONCAKE, receiver_init, receiver_init + "        self.abort_notified = False  # sglang-harden backport\n"),
+        (MOONCAKE, receiver_method_before,
+         "    def _send_abort_notification(self):\n"
+         '        """sglang-harden backport: every prefill rank of the room stops writing it and acknowledges."""\n'
+         "        pd_lifecycle.send_abort_notice_frames(self)\n\n" + receiver_method_before),
+        (MOONCAKE, node_failure, node_failure +
+         "        pd_lifecycle.note_sender_gone(failed_bootstrap_addr)  # sglang-harden backport\n"),
+    ]

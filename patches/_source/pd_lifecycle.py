@@ -532,15 +532,14 @@ def _fail_room(manager: Any, room: int) -> None:
 def _send_ack_frames(manager: Any, room: int, decode_ip: str, decode_port: int) -> None:
     import zmq
 
-    from sglang.srt.utils import format_tcp_address, is_valid_ipv6_address
-
-    endpoint = format_tcp_address(decode_ip, decode_port)
+    ipv6 = ":" in decode_ip
+    endpoint = f"tcp://[{decode_ip}]:{decode_port}" if ipv6 else f"tcp://{decode_ip}:{decode_port}"
     try:
         with _ACK_LOCK:  # a socket of this module's own: SGLang's are used from its worker threads unlocked
             sock = _ACK_SOCKETS.get(endpoint)
             if sock is None:
                 sock = zmq.Context.instance().socket(zmq.PUSH)
-                if is_valid_ipv6_address(decode_ip):
+                if ipv6:
                     sock.setsockopt(zmq.IPV6, 1)
                 sock.connect(endpoint)
                 _ACK_SOCKETS[endpoint] = sock

@@ -243,103 +243,39 @@ def canary_patch_049() -> tuple[str, str, list]:
     ])
 
 
-H_LIFECYCLE_049 = """\
-sglang-harden backport: page lifecycle (no KV page is reused while a write into it can still land)
-
-What: a new module mem_cache/pd_lifecycle.py (sglang-harden's own page ledger and lifecycle rules,
-generated into it). Decode records the pages it hands to the transfer backend (after kv_receiver.init)
-as being written for room:<bootstrap_room>, and as written once the transfer reported Success on every
-rank. The token and paged allocators' free paths keep back every page still being written (an aborted
-or failed transfer: quarantine) and decode sends an abort notice to every prefill rank of the room
-(SGH_ABORT on the rank's bootstrap socket; this release has no abort notice of its own). Prefill drops
-the room's KV chunks from then on (its transfer worker counts a chunk in flight before it looks) and
-answers SGH_ABORT_ACK on decode's socket once none is in flight; after a failed engine call it holds
-that answer until SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S (default 30; 0: never by itself) passed.
-Quarantined pages leave in pop_transferred once every prefill rank acknowledged or the prefill node is
-known gone (_handle_node_failure), never on a timeout. The idle memory check counts them as held, not
-leaked. At the quarantine cap (SGLANG_HARDEN_QUARANTINE_CAP_PAGES, default a quarter of the pool)
-decode refuses new requests with 503. SGLANG_HARDEN_LIFECYCLE=enforce (default) | log | off, as on a
-plugin server.
-
-Why: decode frees an aborted request's pages at once, prefill keeps writing the room (its transfer
-worker never looks at an abort), and a write the engine gave up on can still land: the pages are then
-another request's and the late bytes land in its KV.
-Both sides must carry this patch: a decode with it holds the pages of an aborted transfer until prefill
-acknowledges, which an unpatched prefill never does (the pages then come back when it is gone).
-"""
-
-
 def lifecycle_patch_049() -> tuple[str, str, list]:
     publish = prealloc_call(" " * 12, "these pages are being written until the transfer commits.",
                             "pd_lifecycle.note_published", "self.token_to_kv_pool_allocator")
     get_buf = "                ) = self.metadata_buffers.get_buf(idx)\n\n"
-    capacity_door = "        if self._check_if_req_exceed_kv_capacity(req):\n            return\n\n        if is_retracted:\n"
-    quarantine_door = ("        if not is_retracted and self._quarantine_full(req):\n"
-                       "            return  # sglang-harden backport: at the quarantine cap\n")
-    quarantine_method = QUARANTINE_DOOR_METHOD.replace("self.scheduler.output_streamer.stream_output",
-                                                       "self.scheduler.stream_output")
     pop = "    def pop_transferred(self) -> List[Req]:\n"
-    token_free = ("        if self.is_not_in_free_group:\n"
-                  "            pd_page_tags.note_freed(self, free_index)  # sglang-harden backport\n")
-    paged_free = "            free_page_indices = torch.unique(free_index // self.page_size)\n"
     memory_check = ("            _, _, available_size, evictable_size = self._get_token_info()\n"
                     "            protected_size = self.tree_cache.protected_size()\n")
-    worker_get = "                kv_chunk: TransferKVChunk = queue.get()\n"
-    worker_end = ("                if (\n                    kv_chunk.room not in self.request_status\n"
-                  "                    or self.check_status(kv_chunk.room) == KVPoll.Success\n")
-    notice = "                waiting_req_bytes = self.server_socket.recv_multipart()\n"
     status = ("                (bootstrap_room, status, prefill_rank) = (\n"
               "                    self.server_socket.recv_multipart()\n                )\n")
+    status_new = ("                frames = self.server_socket.recv_multipart()\n"
+                  "                if pd_lifecycle.ack_frames_received(frames):\n"
+                  "                    continue  # sglang-harden backport: a prefill rank's drain acknowledgement\n"
+                  "                (bootstrap_room, status, prefill_rank) = frames\n")
     receiver_init = ("        self.bootstrap_room = bootstrap_room\n        self.bootstrap_addr = bootstrap_addr\n"
                      "        self.kv_mgr = mgr\n")
-    bootstrap_info = "    def _get_bootstrap_info_from_server(self, engine_rank, target_dp_group):\n"
-    node_failure = "    def _handle_node_failure(self, failed_bootstrap_addr):\n"
-    return ("page-lifecycle", H_LIFECYCLE_049, [
+    return ("page-lifecycle", H_LIFECYCLE_OWN_NOTICE.replace("<handed>", "kv_receiver.init"), [
         (LIFECYCLEMOD, None, PD_LIFECYCLE),
         (DECODE, DECODE_IMPORT_049, LIFECYCLE_IMPORT + DECODE_IMPORT_049),
         (DECODE, KV_INIT_049, KV_INIT_049 + publish),
-        (DECODE, capacity_door, quarantine_door + capacity_door),
-        (DECODE, CAPACITY_METHOD_ANCHOR, quarantine_method + CAPACITY_METHOD_ANCHOR),
-        (DECODE, pop, pop + "        pd_lifecycle.release_drained()  # sglang-harden backport: quarantined pages whose "
-         "writers drained\n"),
+        *quarantine_door_edits("self.scheduler.stream_output"),
+        (DECODE, pop, pop + RELEASE_DRAINED),
         (DECODE, get_buf, get_buf + "                # sglang-harden backport: Success on every rank, no write left\n"
          "                pd_lifecycle.note_committed(decode_req.req)\n"),
-        (ALLOCATOR_049, token_free, "        if self.is_not_in_free_group:\n"
-         "            free_index = pd_lifecycle.pages_to_free(self, free_index)  # sglang-harden backport\n"
-         + token_free.split("\n", 1)[1]),
-        (ALLOCATOR_049, paged_free, paged_free + "            (free_page_indices,) = pd_lifecycle.page_ids_to_free(\n"
-         "                self, (free_page_indices,)\n            )  # sglang-harden backport: quarantine\n"),
-        (ALLOCATOR_049, PAGE_TAGS_IMPORT, PAGE_TAGS_IMPORT + LIFECYCLE_IMPORT),
+        *quarantine_free_edits(ALLOCATOR_049),
         (SCHED, "from sglang.srt.managers.schedule_batch import (\n",
          LIFECYCLE_IMPORT + "from sglang.srt.managers.schedule_batch import (\n"),
-        (SCHED, memory_check, memory_check.split("\n", 1)[0] + "\n"
-         "            available_size += pd_lifecycle.held_tokens()  # sglang-harden backport: held, not leaked\n"
-         + memory_check.split("\n", 1)[1]),
-        (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n",
-         LIFECYCLE_IMPORT + "from sglang.srt.disaggregation.common.utils import (\n"),
-        (MOONCAKE, worker_get, worker_get +
-         "                if pd_lifecycle.chunk_starts(self, kv_chunk.room):\n"
-         "                    # sglang-harden backport: decode aborted the room; drop its chunk\n"
-         "                    pd_lifecycle.chunk_done(self, kv_chunk.room)\n"
-         "                    continue\n"),
-        (MOONCAKE, worker_end, "                pd_lifecycle.chunk_done(self, kv_chunk.room)  # sglang-harden backport\n"
-         + worker_end),
-        (MOONCAKE, MOONCAKE_FAILED_SEND, MOONCAKE_FAILED_SEND.replace(
-            "if ret != 0:\n", "if ret != 0:\n                            pd_lifecycle.note_failed_write(kv_chunk.room)"
-            "  # sglang-harden backport\n")),
-        (MOONCAKE, notice, notice + "                if pd_lifecycle.abort_notice_received(self, waiting_req_bytes):\n"
-         "                    continue  # sglang-harden backport: decode aborted a room\n"),
-        (MOONCAKE, status, "                frames = self.server_socket.recv_multipart()\n"
-         "                if pd_lifecycle.ack_frames_received(frames):\n"
-         "                    continue  # sglang-harden backport: a prefill rank's drain acknowledgement\n"
-         "                (bootstrap_room, status, prefill_rank) = frames\n"),
-        (MOONCAKE, receiver_init, receiver_init + "        self.abort_notified = False  # sglang-harden backport\n"),
-        (MOONCAKE, bootstrap_info,
-         "    def _send_abort_notification(self):\n"
-         '        """sglang-harden backport: every prefill rank of the room stops writing it and acknowledges."""\n'
-         "        pd_lifecycle.send_abort_notice_frames(self)\n\n" + bootstrap_info),
-        (MOONCAKE, node_failure, node_failure +
-         "        pd_lifecycle.note_sender_gone(failed_bootstrap_addr)  # sglang-harden backport\n"),
+        (SCHED, memory_check, held_as_available(memory_check)),
+        *own_notice_mooncake_edits(
+            import_anchor="from sglang.srt.disaggregation.common.utils import (\n",
+            worker_end=("                if (\n                    kv_chunk.room not in self.request_status\n"
+                        "                    or self.check_status(kv_chunk.room) == KVPoll.Success\n"),
+            status_recv=(status, status_new), receiver_init=receiver_init,
+            receiver_method_before="    def _get_bootstrap_info_from_server(self, engine_rank, target_dp_group):\n"),
     ])
 
 

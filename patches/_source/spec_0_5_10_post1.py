@@ -1,6 +1,6 @@
 """0.5.10.post1: the 0.5.19 series ported to the 0.5.6-0.5.12 code (read off the 0.5.10.post1 wheel).
 
-Every patch of the 0.5.19 series but the page lifecycle is kept: 0.5.10.post1 has none of their protections (no
+Every patch of the 0.5.19 series is kept (the page lifecycle as its own version, ``lifecycle_patch_0510``): 0.5.10.post1 has none of their protections (no
 door checks, no retirement of aborted prefill results, no coverage check, no rejection notice, no capacity gate, no
 control-plane authentication, no page tags, no canary, no KV digest). What differs from 0.5.19, and why each change:
 - set_finish_with_abort writes ``to_finish`` as on 0.5.19, but ``disaggregation/utils.py is_aborted`` does not
@@ -168,7 +168,43 @@ def _with_auth_status(patch: tuple) -> tuple:
     return name, header, [*edits, (CONN, STATUS_ANCHOR, AUTH_STATUS_0510)]
 
 
-# No page-lifecycle patch: drain acknowledgements (deferred decode KV release) came with 0.5.19, so a quarantined
-# page would never leave quarantine here (as on 0.5.18).
-PATCHES = [_with_auth_status(_patch(name, header, list(edits))) for name, header, edits in base.PATCHES
-           if name != "page-lifecycle"]
+
+
+def lifecycle_patch_0510() -> tuple[str, str, list]:
+    """0.5.10.post1 has no abort notice from decode and no drain acknowledgement (both came later): the lifecycle
+    brings its own, as on 0.4.x (``pd_lifecycle``'s ``SGH_ABORT`` / ``SGH_ABORT_ACK``). Its decode hooks are the
+    0.5.19 ones on 0.5.10's code; the staging path's deferred chunks are counted per pass."""
+    publish = prealloc_call(" " * 12, "these pages are being written until the transfer commits.",
+                            "pd_lifecycle.note_published", "self.token_to_kv_pool_allocator")
+    commit = "                should_remove = self._commit_transfer_to_req(decode_req)\n"
+    memory_check = ("        _, _, available_size, evictable_size = self._get_token_info()\n"
+                    "        protected_size = self.tree_cache.protected_size()\n"
+                    "        session_held = self._session_held_tokens()\n")
+    status = "                msg = self.server_socket.recv_multipart()\n"
+    envs_import = "from sglang.srt.environ import envs\n"
+    return ("page-lifecycle", H_LIFECYCLE_OWN_NOTICE.replace("<handed>", "send_metadata"), [
+        (LIFECYCLEMOD, None, PD_LIFECYCLE),
+        (DECODE, envs_import, LIFECYCLE_IMPORT + envs_import),
+        (DECODE, SEND_METADATA_0510, SEND_METADATA_0510 + publish),
+        *quarantine_door_edits("self.scheduler.stream_output"),
+        (DECODE, POP_TRANSFERRED, POP_TRANSFERRED + RELEASE_DRAINED),
+        (DECODE, commit, "                # sglang-harden backport: Success on every rank, no write left\n"
+         "                pd_lifecycle.note_committed(decode_req.req)\n" + commit),
+        *quarantine_free_edits(ALLOCATOR_0510),
+        (RUNTIME_CHECKER, envs_import, envs_import + LIFECYCLE_IMPORT),
+        (RUNTIME_CHECKER, memory_check, held_as_available(memory_check)),
+        *own_notice_mooncake_edits(
+            import_anchor="from sglang.srt.disaggregation.utils import (\n",
+            worker_end="                if staging_deferred:\n                    continue\n",
+            status_recv=(status, status + "                if pd_lifecycle.ack_frames_received(msg):\n"
+                         "                    continue  # sglang-harden backport: a prefill rank's drain acknowledgement\n"),
+            receiver_init=("        self.session_id = mgr.get_session_id()\n        self.init_time = None\n"
+                           "        super().__init__(mgr, bootstrap_addr, bootstrap_room)\n"),
+            receiver_method_before="    def _register_kv_args(self):\n"),
+    ])
+
+
+# The page lifecycle of the 0.5.19 series rests on drain acknowledgements this release does not have: its own
+# version (lifecycle_patch_0510) takes that patch's place.
+PATCHES = [lifecycle_patch_0510() if name == "page-lifecycle" else _with_auth_status(_patch(name, header, list(edits)))
+           for name, header, edits in base.PATCHES]

@@ -23,6 +23,7 @@ SCHEDULER = f"{SRT}.managers.scheduler"
 SCHEDULE_BATCH = f"{SRT}.managers.schedule_batch"
 TOKENIZER = f"{SRT}.managers.tokenizer_manager"
 INVARIANTS = f"{SRT}.managers.scheduler_components.invariant_checker"
+RUNTIME_CHECKER = f"{SRT}.managers.scheduler_runtime_checker_mixin"  # the idle memory check before INVARIANTS
 ALLOC_TOKEN = f"{SRT}.mem_cache.allocator.token"
 ALLOC_PAGED = f"{SRT}.mem_cache.allocator.paged"
 ALLOC_ONE_MODULE = f"{SRT}.mem_cache.allocator"  # both allocators, before the 0.5.13 split

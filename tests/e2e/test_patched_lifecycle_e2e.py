@@ -32,8 +32,8 @@ from sglang_harden.testbed.patched import patched_tree
 
 pytestmark = pytest.mark.e2e
 
-# 0.5.10.post1 has no lifecycle patch (see patches/README.md); 0.4.x: the patch brings its own abort notice and ack
-PINS = ["0.4.9.post6", "0.4.10.post2", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+# 0.4.x and 0.5.10.post1: the patch brings its own abort notice and drain acknowledgement (see patches/README.md)
+PINS = ["0.4.9.post6", "0.4.10.post2", "0.5.10.post1", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
 BACKENDS = ["mooncake", "nixl"]
 PROFILES = ["minimal", "paged16"]  # CI runs paged16 (16-token pages, radix cache, chunked prefill); --profiles all
 CASES = late_write_cases(PINS, BACKENDS, PROFILES)

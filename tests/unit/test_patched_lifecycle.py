@@ -18,14 +18,13 @@ from test_patch import load_series_module, make_tree, patched_trees
 from sglang_harden.tools import patch as P
 from sglang_harden.tools._detectors_transfer import detect_page_quarantine
 from sglang_harden.tools._source import SourceTree
-from sglang_harden.tools._wheels import release_key
 
 torch = pytest.importorskip("torch")
 
 MODULE = "sglang/srt/mem_cache/pd_lifecycle.py"
 ALL_PINS = P.available_pins(P.default_patches_dir())
-# 0.5.18 and the 0.4.x series: the patch brings drain acks (0.4.x: its abort notice too); 0.5.10.post1 has none
-PINS = [pin for pin in ALL_PINS if release_key(pin) >= release_key("0.5.18") or pin.startswith("0.4.")]
+# every series (0.5.18 brings drain acks, 0.4.x and 0.5.10.post1 an abort notice and acks of its own)
+PINS = list(ALL_PINS)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +60,10 @@ def lifecycle(request: pytest.FixtureRequest, trees: dict[str, Path], monkeypatc
     return load(trees[request.param], monkeypatch)
 
 
-def test_every_series_but_0510_carries_the_module() -> None:
-    assert PINS
+def test_every_series_carries_the_module() -> None:
+    assert {"0.4.9.post6", "0.4.10.post2", "0.5.10.post1", "0.5.18", "0.5.23"} <= set(PINS)
     for pin in PINS:
         assert any(MODULE in p.targets for p in P.load_series(pin, P.default_patches_dir())), pin
-    for pin in set(ALL_PINS) - set(PINS):
-        assert not any(MODULE in p.targets for p in P.load_series(pin, P.default_patches_dir())), pin
 
 
 def test_pages_of_a_transfer_still_writing_stay_out_until_every_rank_acks(lifecycle: ModuleType) -> None:

@@ -1,7 +1,8 @@
-"""The page-lifecycle patch of the 0.4.x series: its own abort notice (decode -> every prefill rank) and drain
-acknowledgement (prefill rank -> decode), which that release line lacks, on stand-ins for 0.4.9's Mooncake manager
-and receiver (a real manager needs a transfer engine: the real pair is ``tests/e2e/test_patched_lifecycle_e2e.py
---pins 0.4.9.post6,0.4.10.post2``). The acknowledgement goes over a real ZMQ socket on loopback. Needs torch (the
+"""The page-lifecycle patch of the 0.4.x and 0.5.10.post1 series: its own abort notice (decode -> every prefill
+rank) and drain acknowledgement (prefill rank -> decode), which those releases lack, on stand-ins for their Mooncake
+manager and receiver (a real manager needs a transfer engine: the real pairs are
+``tests/e2e/test_patched_lifecycle_e2e.py --pins 0.4.9.post6,0.4.10.post2,0.5.10.post1``). The acknowledgement goes
+over a real ZMQ socket on loopback. Needs torch (the
 module's decode half filters index tensors): run with a pin's venv python, as ``scripts/run_tests.sh`` does.
 """
 
@@ -23,9 +24,20 @@ zmq = pytest.importorskip("zmq")
 FAILED, WAITING = 0, 2  # KVPoll.Failed, KVPoll.WaitingForInput
 
 
+PINS = ("0.4.9.post6", "0.5.10.post1")
+# where each release's idle memory check lives (the patch counts quarantined pages as held there)
+MEMORY_CHECK = {"0.4.9.post6": "sglang/srt/managers/scheduler.py",
+                "0.5.10.post1": "sglang/srt/managers/scheduler_runtime_checker_mixin.py"}
+
+
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return patched_trees(tmp_path_factory, ("0.4.9.post6",))["0.4.9.post6"]
+def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return patched_trees(tmp_path_factory, PINS)
+
+
+@pytest.fixture(params=PINS)
+def tree(request: pytest.FixtureRequest, trees: dict[str, Path]) -> Path:
+    return trees[str(request.param)]
 
 
 class Manager:
@@ -45,7 +57,7 @@ class Manager:
 
 
 def _stub_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two SGLang names the prefill half imports, for a test without 0.4.x installed."""
+    """The SGLang name the prefill half imports (KVPoll), for a test without 0.4.x installed."""
     def module(name: str) -> ModuleType:
         if name not in sys.modules or not isinstance(sys.modules[name], ModuleType):
             monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -55,9 +67,6 @@ def _stub_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
         module(name)
     monkeypatch.setattr(module("sglang.srt.disaggregation.base"), "KVPoll",
                         SimpleNamespace(Failed=FAILED), raising=False)
-    utils = module("sglang.srt.utils")
-    monkeypatch.setattr(utils, "format_tcp_address", lambda ip, port: f"tcp://{ip}:{port}", raising=False)
-    monkeypatch.setattr(utils, "is_valid_ipv6_address", lambda ip: False, raising=False)
 
 
 @pytest.fixture
@@ -165,7 +174,7 @@ def test_the_series_counts_a_chunk_before_it_looks_and_hooks_both_sockets(tree: 
     assert conn.index("pd_lifecycle.chunk_starts(self, kv_chunk.room)", get) < conn.index("reqs_to_be_processed", get)
     assert conn.count("pd_lifecycle.chunk_done(self, kv_chunk.room)") == 2
     assert "pd_lifecycle.abort_notice_received(self, waiting_req_bytes)" in conn
-    assert "pd_lifecycle.ack_frames_received(frames)" in conn
+    assert "pd_lifecycle.ack_frames_received(" in conn
     assert "pd_lifecycle.note_failed_write(kv_chunk.room)" in conn
-    scheduler = (tree / "sglang/srt/managers/scheduler.py").read_text()
-    assert "available_size += pd_lifecycle.held_tokens()" in scheduler
+    pin = next(pin for pin in PINS if tree.name.startswith(pin))
+    assert "available_size += pd_lifecycle.held_tokens()" in (tree / MEMORY_CHECK[pin]).read_text()
