@@ -43,7 +43,7 @@ def test_cells_say_e2e_static_or_absent(tmp_path: Path) -> None:
     old_row = dict(zip(cols, [c.strip() for c in rows["0.5.18"].strip("|").split("|")], strict=True))
     assert old_row["checksum"] == "- / static" and old_row["lifecycle"] == "- / static", "0.5.18: patch path only"
     old_row = dict(zip(cols, [c.strip() for c in rows["0.5.10.post1"].strip("|").split("|")], strict=True))
-    assert old_row["lifecycle"] == "- / -", "no lifecycle patch on 0.5.10.post1 (no drain acknowledgements)"
+    assert old_row["lifecycle"] == "- / static", "0.5.10.post1's lifecycle patch brings its own notice and acks"
     assert row["coverage"] == "static / e2e"
     assert row["bootstrap_auth"] == "static / static"
     assert row["admission"] == "static / upstream" and row["retire"] == "static / upstream"
