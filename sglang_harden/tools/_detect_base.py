@@ -17,11 +17,15 @@ from sglang_harden.compat.internals import (  # noqa: F401 - the detectors impor
     ENVIRON,
     KV_CANARY_MODULES,
     MOONCAKE,
+    PAGED_FREE_ONE_MODULE,
+    PAGED_RELEASE,
     POP_TRANSFERRED,
     PREFILL,
     SERVER_ARGS,
     SET_FINISH_WITH_ABORT,
     SRT,
+    TOKEN_FREE,
+    TOKEN_FREE_ONE_MODULE,
     UTILS,
     backend_module,
 )
@@ -206,3 +210,11 @@ def commit_point(tree: SourceTree) -> FuncRef | None:
     """Where decode commits a finished transfer: ``_commit_transfer_to_req``, or on 0.4.x (which has none)
     ``pop_transferred`` itself."""
     return tree.function(*COMMIT) or tree.function(*POP_TRANSFERRED)
+
+
+def allocator_frees(tree: SourceTree) -> list[FuncRef]:
+    """The token and paged allocators' free paths: ``free`` and ``_release_page_ids`` of their own modules, or before
+    the 0.5.13 split both ``free`` methods of ``mem_cache/allocator.py``."""
+    frees = [ref for target in (TOKEN_FREE, PAGED_RELEASE) if (ref := tree.function(*target)) is not None]
+    return frees or [ref for target in (TOKEN_FREE_ONE_MODULE, PAGED_FREE_ONE_MODULE)
+                     if (ref := tree.function(*target)) is not None]

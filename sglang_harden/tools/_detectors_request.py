@@ -9,12 +9,8 @@ import re
 from sglang_harden.compat.internals import (
     COMMIT,
     DECODE_DOOR,
-    PAGED_FREE_ONE_MODULE,
-    PAGED_RELEASE,
     POP_TRANSFERRED,
     PREFILL_DOOR,
-    TOKEN_FREE,
-    TOKEN_FREE_ONE_MODULE,
 )
 from sglang_harden.tools._detect_base import (
     DECODE,
@@ -28,6 +24,7 @@ from sglang_harden.tools._detect_base import (
     Native,
     abort_fields,
     aborting_if,
+    allocator_frees,
     branch_aborts,
     commit_point,
     dominated_by,
@@ -204,8 +201,6 @@ def _compares_values(func: ast.FunctionDef) -> bool:
 
 _OWNERSHIP_RE = re.compile(r"page_?tag|page_?owner|ownership", re.I)
 _LEDGER_CALL_RE = re.compile(r"note_freed|ledger|page_?tag", re.I)
-ALLOCATOR_FREES = (TOKEN_FREE, PAGED_RELEASE)
-ALLOCATOR_FREES_ONE_MODULE = (TOKEN_FREE_ONE_MODULE, PAGED_FREE_ONE_MODULE)
 
 
 def detect_page_ownership(tree: SourceTree) -> Native:
@@ -219,11 +214,8 @@ def detect_page_ownership(tree: SourceTree) -> Native:
     if check is None:
         return Native(NO, "decode commits without checking whose pages the request reads", [commit.where])
     evidence = [line_of(commit, check)]
-    frees = [tree.function(*target) for target in ALLOCATOR_FREES]
-    if all(ref is None for ref in frees):
-        frees = [tree.function(*target) for target in ALLOCATOR_FREES_ONE_MODULE]
-    silent = [ref.where for ref in frees if ref is not None
-              and not any(_LEDGER_CALL_RE.search(call_name(c)) for c in calls(ref.node))]
-    if silent or all(ref is None for ref in frees):
+    frees = allocator_frees(tree)
+    silent = [ref.where for ref in frees if not any(_LEDGER_CALL_RE.search(call_name(c)) for c in calls(ref.node))]
+    if silent or not frees:
         return Native(PARTIAL, "the ownership ledger is not told of freed pages", evidence + silent)
     return Native(YES, "decode checks page ownership before commit", evidence)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from sglang_harden.compat.internals import NOTE_ABORT_ACK, PAGED_RELEASE, POP_TRANSFERRED, TOKEN_FREE
+from sglang_harden.compat.internals import NOTE_ABORT_ACK, POP_TRANSFERRED
 from sglang_harden.tools._detect_base import (
     CONN,
     DECODE,
@@ -19,6 +19,7 @@ from sglang_harden.tools._detect_base import (
     YES,
     Native,
     aborting_if,
+    allocator_frees,
     backend_modules,
     commit_point,
     env_default,
@@ -136,7 +137,7 @@ def detect_page_quarantine(tree: SourceTree) -> Native:
     """Both allocators' free paths keep back pages a transfer may still write (quarantine), and decode's transfer
     queue lets them out once their writers drained (the backport series' ``pd_lifecycle``). No SGLang release
     has it: upstream's deferred release frees on a timeout."""
-    frees = [ref for target in (TOKEN_FREE, PAGED_RELEASE) if (ref := tree.function(*target)) is not None]
+    frees = allocator_frees(tree)
     if not frees:
         return Native(UNKNOWN, "no KV allocator free path found")
     filtering = [ref.where for ref in frees if _filters_what_it_frees(ref)]

@@ -1,8 +1,10 @@
-"""Doctor recognises the request-path protections every backport series adds, on every series (pristine: not there).
+"""Doctor recognises the protections every backport series adds, on every series (pristine: not there).
 
 On each pin's pristine tree (the files its series touches) and the same tree patched: the page-tag, canary and digest
 detectors say ``yes`` patched, with decode's commit point as evidence (``_commit_transfer_to_req``, or on 0.4.x
-``pop_transferred``, where that release commits inline), and not ``yes`` from the series' check on the pristine tree.
+``pop_transferred``, where that release commits inline), and not ``yes`` from the series' check on the pristine tree;
+the quarantine detector says ``yes`` patched (both allocators' free paths, to 0.5.12 in one module) and ``no``
+pristine.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from test_patch import PINS, make_tree
 
 from sglang_harden.tools import patch as P
 from sglang_harden.tools._detectors_request import detect_kv_checksum, detect_page_ownership
-from sglang_harden.tools._detectors_transfer import detect_kv_canary
+from sglang_harden.tools._detectors_transfer import detect_kv_canary, detect_page_quarantine
 from sglang_harden.tools._source import SourceTree
 
 MODULES = {  # the series' module -> the detector that must recognise it
@@ -29,6 +31,15 @@ COMMIT_POINTS = ("_commit_transfer_to_req", "pop_transferred")
 def _series_detectors(pin: str) -> list[Callable[[SourceTree], object]]:
     targets = {t for patch in P.load_series(pin, P.default_patches_dir()) for t in patch.targets}
     return [detect for module, detect in MODULES.items() if module in targets]
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_doctor_recognises_the_series_quarantine(pin: str, tmp_path: Path) -> None:
+    patched = make_tree(pin, tmp_path / "patched")
+    P.apply_series(patched, pin)
+    found = detect_page_quarantine(SourceTree(patched))
+    assert found.status == "yes" and any("pop_transferred" in e for e in found.evidence), (pin, found)
+    assert detect_page_quarantine(SourceTree(make_tree(pin, tmp_path / "pristine"))).status == "no", pin
 
 
 def test_every_series_carries_the_three_modules() -> None:
