@@ -651,18 +651,25 @@ DIGEST_CHECK_CALL = commit_refusal_block(
 REJECTION_ROUTES = "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n"
 
 
-def digest_patch() -> tuple[str, str, list]:
-    """The KV digest patch of the 0.5.19+ series."""
-    return ("kv-digest", H_DIGEST, [
+def digest_patch(header: str = H_DIGEST, prefill: tuple[str, str] = (COVERAGE_IMPORT_PREFILL, COVERAGE_PUBLISH),
+                 board: tuple[str, str] = (CONN, "from sglang.srt.disaggregation.utils import (\n"),
+                 decode: tuple[str, str, str] = ("from sglang.srt.environ import envs\n", COMMIT_ANCHOR,
+                                                 DIGEST_CHECK_CALL)) -> tuple[str, str, list]:
+    """The KV digest patch (defaults: the 0.5.19+ series). ``prefill``: the coverage patch's import and publish
+    block there; ``board``: the bootstrap server's file and an import anchor in it; ``decode``: an import anchor, the
+    commit point and the check that goes before it."""
+    coverage_import, coverage_publish = prefill
+    board_file, board_import = board
+    decode_import, commit, check = decode
+    return ("kv-digest", header, [
         (DIGESTMOD, None, PD_DIGEST),
-        (PREFILL, COVERAGE_IMPORT_PREFILL, COVERAGE_IMPORT_PREFILL + DIGEST_IMPORT),
-        (PREFILL, COVERAGE_PUBLISH, COVERAGE_PUBLISH + DIGEST_PUBLISH),
-        (CONN, "from sglang.srt.disaggregation.utils import (\n",
-         DIGEST_IMPORT + "from sglang.srt.disaggregation.utils import (\n"),
-        (CONN, REJECTION_ROUTES, REJECTION_ROUTES +
+        (PREFILL, coverage_import, coverage_import + DIGEST_IMPORT),
+        (PREFILL, coverage_publish, coverage_publish + DIGEST_PUBLISH),
+        (board_file, board_import, DIGEST_IMPORT + board_import),
+        (board_file, REJECTION_ROUTES, REJECTION_ROUTES +
          "        pd_digest.add_routes(self.app)  # sglang-harden backport: the KV digest board\n"),
-        (DECODE, "from sglang.srt.environ import envs\n", DIGEST_IMPORT + "from sglang.srt.environ import envs\n"),
-        (DECODE, COMMIT_ANCHOR, DIGEST_CHECK_CALL + COMMIT_ANCHOR),
+        (DECODE, decode_import, DIGEST_IMPORT + decode_import),
+        (DECODE, commit, check + commit),
     ])
 
 

@@ -286,18 +286,9 @@ def digest_patch_049() -> tuple[str, str, list]:
         "                        self.scheduler,\n                        decode_req.kv_receiver,\n"
         "                        self.gloo_group,\n                    )", "KV digest")
     coverage_import = "from sglang.srt.disaggregation.utils import COVERAGE_SLOTS, encode_coverage\n"
-    rejections_import = "from sglang.srt.disaggregation.common import pd_rejections\n"
-    return ("kv-digest", H_DIGEST_049, [
-        (DIGESTMOD, None, PD_DIGEST),
-        (PREFILL, coverage_import, coverage_import + DIGEST_IMPORT),
-        (PREFILL, COVERAGE_PUBLISH_049, COVERAGE_PUBLISH_049 + DIGEST_PUBLISH),
-        (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n",
-         DIGEST_IMPORT + "from sglang.srt.disaggregation.common.utils import (\n"),
-        (MOONCAKE, REJECTION_ROUTES, REJECTION_ROUTES +
-         "        pd_digest.add_routes(self.app)  # sglang-harden backport: the KV digest board\n"),
-        (DECODE, DECODE_IMPORT_049, DIGEST_IMPORT + DECODE_IMPORT_049),
-        (DECODE, COMMIT_049, check + COMMIT_049),
-    ])
+    return digest_patch(H_DIGEST_049, (coverage_import, COVERAGE_PUBLISH_049),
+                        (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n"),
+                        (DECODE_IMPORT_049, COMMIT_049, check))
 
 
 PATCHES = [
