@@ -352,6 +352,22 @@ def auth_edits() -> list:
     ]
 
 
+# pd_auth logs "authenticated" when it is imported. Releases up to 0.5.10 import it (through their conn module and the
+# tokenizer manager) before any of their processes configures logging, so that INFO line was lost on a real pair
+# (measured on 0.5.10.post1: the logs had the refusals but never said the control plane was authenticated). Every
+# KV manager says it again once logging is up.
+AUTH_STATUS_ANCHOR = "        self.request_status: Dict[int, KVPoll] = {}\n"
+AUTH_STATUS_AGAIN = AUTH_STATUS_ANCHOR + """\
+        # sglang-harden backport: pd_auth was imported before this process configured logging; say it here.
+        if pd_auth.AUTH is not None:
+            logger.info(
+                "pd_auth: PD control plane authenticated (%s mode, %d secret(s))",
+                pd_auth.AUTH.mode,
+                len(pd_auth.AUTH.accepted()),
+            )
+"""
+
+
 H_PAGE_TAGS = """\
 sglang-harden backport: page ownership tags (decode reads only pages its own transfer wrote)
 

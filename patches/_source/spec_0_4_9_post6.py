@@ -8,8 +8,8 @@ The page-tag, canary and digest patches run the 0.5.x series' modules unchanged;
 - there is no ``_commit_transfer_to_req``: each check goes into pop_transferred's success branch after the
   coverage check, and a refused transfer is answered and released there as the coverage check does it;
 - both allocators live in ``mem_cache/allocator.py`` and free inline in ``free`` (as on 0.5.10.post1);
-- no control-plane authentication patch: the digest routes are open like this series' rejection routes
-  (the digest client sends no token; PUT is still accepted from this host only).
+- the control-plane authentication patch hooks the Mooncake manager's module (0.4.x has no common/conn.py): the
+  ``requests`` it uses is the signing one, its bootstrap server checks the token on every route.
 The page-lifecycle patch brings its own abort notice and drain acknowledgement (this release line has neither)."""
 
 from common_text import *  # noqa: F403
@@ -193,14 +193,31 @@ H_PAGE_TAGS_049 = (H_PAGE_TAGS
 H_CANARY_049 = (H_CANARY
                 .replace("transfer backend (send_metadata, any backend)", "transfer backend (kv_receiver.init)")
                 .replace("Before _commit_transfer_to_req commits", "Before pop_transferred commits"))
-H_DIGEST_049 = (H_DIGEST
-                .replace("GET /sglang_harden/digest_feed, authenticated by the control-plane patch's secret like every route).",
-                         "GET /sglang_harden/digest_feed; this series has no control-plane authentication, so they\n"
-                         "are as open as its rejection routes).")
-                .replace("Before _commit_transfer_to_req commits", "Before pop_transferred commits"))
-assert H_PAGE_TAGS_049.count("kv_receiver.init") == 1 and "_commit_transfer_to_req" not in H_PAGE_TAGS_049
-assert "send_metadata" not in H_CANARY_049 and "_commit_transfer_to_req" not in H_CANARY_049
-assert "_commit_transfer_to_req" not in H_DIGEST_049 and "no control-plane" in H_DIGEST_049
+H_DIGEST_049 = H_DIGEST.replace("Before _commit_transfer_to_req commits", "Before pop_transferred commits")
+
+
+H_AUTH_049 = (H_AUTH
+              .replace("(every route except /health: /route,\n  /register_dp_rank, /query_dp_ranks, /pd_rejections, reads included)",
+                       "(every route except /health: /route,\n  /pd_rejections and the digest board, reads included)")
+              .replace("every request common/conn.py and pd_rejections send", "every request mooncake/conn.py, pd_rejections and pd_digest send"))
+assert H_AUTH_049.count("mooncake/conn.py") == 1 and "/query_dp_ranks" not in H_AUTH_049
+
+
+def auth_patch_049() -> tuple[str, str, list]:
+    """The 0.5.x authentication patch on 0.4.x's Mooncake manager and bootstrap server (their own module)."""
+    rejections = "from sglang.srt.disaggregation.common import pd_rejections\n"
+    logger_line = "\nlogger = logging.getLogger(__name__)\n"
+    return ("authenticate-control-plane", H_AUTH_049, [
+        (AUTHMOD, None, PD_AUTH),
+        (MOONCAKE, rejections, "from sglang.srt.disaggregation.common import pd_auth, pd_rejections\n"),
+        (MOONCAKE, logger_line, logger_line +
+         "# sglang-harden backport: every request this module sends to a bootstrap server is signed.\n"
+         "requests = pd_auth.signing(requests)\n"),
+        (MOONCAKE, REJECTION_ROUTES,
+         REJECTION_ROUTES + "        pd_auth.protect(self.app)  # sglang-harden backport: a token on every route but /health\n"),
+        *[edit for edit in auth_edits() if edit[0] == NEWMOD],
+        (MOONCAKE, AUTH_STATUS_ANCHOR, AUTH_STATUS_AGAIN),
+    ])
 
 
 def page_tags_patch_049() -> tuple[str, str, list]:
@@ -421,6 +438,7 @@ PATCHES = [
         (SCHED, "    def init_tokenizer(self):\n", CAPACITY_METHOD + "    def init_tokenizer(self):\n"),
         (TOKENIZER, TOKENIZER_ANCHOR, TOKENIZER_CLAMP),
     ]),
+    auth_patch_049(),
     page_tags_patch_049(),
     canary_patch_049(),
     lifecycle_patch_049(),

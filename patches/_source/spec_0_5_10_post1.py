@@ -27,7 +27,7 @@ control-plane authentication, no page tags, no canary, no KV digest). What diffe
   the authentication patch hook) are the same as on 0.5.19; ``common/conn.py`` imports only DisaggregationMode from
   disaggregation.utils.
 - pd_auth's "authenticated" INFO line, logged when the module is imported, comes before this release configures
-  logging in any process and was lost: each KV manager logs it again (see AUTH_STATUS_0510).
+  logging in any process and was lost: each KV manager logs it again (see common_text.AUTH_STATUS_AGAIN).
 """
 from common_text import *  # noqa: F403
 import spec_0_5_19 as base
@@ -145,27 +145,11 @@ def _port_header(header: str) -> str:
             .replace("this release; slots 0-6 are used)", "this release; slots 0-3 are used)"))
 
 
-# pd_auth logs "authenticated" when it is imported. This release imports it (through common/conn.py and the
-# tokenizer manager) before any of its processes configures logging, so that INFO line was lost on a real pair
-# (measured: prefill and decode logs had the refusals but never said the control plane was authenticated). Every
-# KV manager says it again once logging is up.
-STATUS_ANCHOR = "        self.request_status: Dict[int, KVPoll] = {}\n"
-AUTH_STATUS_0510 = STATUS_ANCHOR + """\
-        # sglang-harden backport: pd_auth was imported before this process configured logging; say it here.
-        if pd_auth.AUTH is not None:
-            logger.info(
-                "pd_auth: PD control plane authenticated (%s mode, %d secret(s))",
-                pd_auth.AUTH.mode,
-                len(pd_auth.AUTH.accepted()),
-            )
-"""
-
-
 def _with_auth_status(patch: tuple) -> tuple:
     name, header, edits = patch
     if name != "authenticate-control-plane":
         return patch
-    return name, header, [*edits, (CONN, STATUS_ANCHOR, AUTH_STATUS_0510)]
+    return name, header, [*edits, (CONN, AUTH_STATUS_ANCHOR, AUTH_STATUS_AGAIN)]
 
 
 

@@ -53,6 +53,7 @@ from sglang_harden.testbed.patched_bootstrap import registration
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.server import SECRET_FILE_ENV
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
+from sglang_harden.tools.patch import default_patches_dir, load_series
 
 pytestmark = pytest.mark.e2e
 
@@ -136,8 +137,9 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
 
 
 def _has_auth_patch(pin: str) -> bool:
-    """The pin's series authenticates the control plane (not the 0.4.x ones: an attacker would succeed there)."""
-    return load_pins()[pin].control_plane_auth
+    """The pin's series authenticates the control plane (without it an attacker would succeed: no attack is run)."""
+    return any("authenticate-control-plane" in patch.name
+               for patch in load_series(pin, default_patches_dir()))
 
 
 def _unwritten_page(pair: PDPair) -> PairResult:
