@@ -53,5 +53,7 @@ POP_TRANSFERRED = (DECODE, "DecodeTransferQueue.pop_transferred")  # 0.4.x also 
 TOKEN_FREE_ONE_MODULE = (ALLOC_ONE_MODULE, "TokenToKVPoolAllocator.free")
 PAGED_FREE_ONE_MODULE = (ALLOC_ONE_MODULE, "PagedTokenToKVPoolAllocator.free")  # frees inline (no _release_page_ids)
 SETUP_ROUTES = (CONN, "CommonKVBootstrapServer._setup_routes")
+# the bootstrap server class (module, name): the common one, or on 0.4.x (no common/conn.py) Mooncake's own
+BOOTSTRAP_SERVERS = ((CONN, "CommonKVBootstrapServer"), (MOONCAKE, "MooncakeKVBootstrapServer"))
 NOTE_ABORT_ACK = (CONN, "CommonKVManager.note_abort_ack")
 SET_FINISH_WITH_ABORT = (SCHEDULE_BATCH, "Req.set_finish_with_abort")

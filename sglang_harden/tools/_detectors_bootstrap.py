@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from sglang_harden.compat.internals import SETUP_ROUTES
+from sglang_harden.compat.internals import BOOTSTRAP_SERVERS
 from sglang_harden.tools._detect_base import (
     CONN,
     NO,
@@ -47,12 +47,18 @@ def detect_decode_abort_notify(tree: SourceTree) -> Native:
 _AUTH_RE = re.compile(r"auth|token|secret|signature|hmac|compare_digest", re.I)
 
 
+def _route_handlers(tree: SourceTree) -> tuple[str, str, list[FuncRef]]:
+    """The first bootstrap server class with /route handlers: (its module, its name, the handlers)."""
+    for module, server in BOOTSTRAP_SERVERS:
+        found = [tree.function(module, f"{server}.{name}") for name in ("_handle_route", "_handle_route_put")]
+        handlers = [h for h in found if h is not None]
+        if handlers:
+            return module, server, handlers
+    return CONN, "", []
+
+
 def detect_bootstrap_auth(tree: SourceTree) -> Native:
-    module = CONN
-    handlers = [
-        tree.function(module, f"CommonKVBootstrapServer.{name}") for name in ("_handle_route", "_handle_route_put")
-    ]
-    handlers = [h for h in handlers if h is not None]
+    module, server, handlers = _route_handlers(tree)
     if not handlers:
         return Native(UNKNOWN, "bootstrap server /route handler not found")
     for root in handlers:
@@ -65,7 +71,7 @@ def detect_bootstrap_auth(tree: SourceTree) -> Native:
         for call in calls(server_tree):
             if call_name(call) == "Application" and any(k.arg == "middlewares" for k in call.keywords):
                 return Native(YES, "bootstrap app has middlewares", [f"line {call.lineno}"])
-    setup = tree.function(*SETUP_ROUTES)
+    setup = tree.function(module, f"{server}._setup_routes")
     backport = _auth_module_call(setup) if setup is not None else None
     if backport is not None:
         return Native(OPT_IN, f"every bootstrap route checks a token once {BACKPORT_SECRET_ENV} names a secret file "

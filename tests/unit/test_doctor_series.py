@@ -16,6 +16,7 @@ import pytest
 from test_patch import PINS, make_tree
 
 from sglang_harden.tools import patch as P
+from sglang_harden.tools._detectors_bootstrap import detect_bootstrap_auth
 from sglang_harden.tools._detectors_request import detect_kv_checksum, detect_page_ownership
 from sglang_harden.tools._detectors_transfer import detect_kv_canary, detect_page_quarantine
 from sglang_harden.tools._source import SourceTree
@@ -40,6 +41,16 @@ def test_doctor_recognises_the_series_quarantine(pin: str, tmp_path: Path) -> No
     found = detect_page_quarantine(SourceTree(patched))
     assert found.status == "yes" and any("pop_transferred" in e for e in found.evidence), (pin, found)
     assert detect_page_quarantine(SourceTree(make_tree(pin, tmp_path / "pristine"))).status == "no", pin
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_doctor_recognises_the_series_control_plane_authentication(pin: str, tmp_path: Path) -> None:
+    """Every series protects the bootstrap server once a secret file is named (opt-in); 0.4.x's server is Mooncake's."""
+    patched = make_tree(pin, tmp_path / "patched")
+    P.apply_series(patched, pin)
+    found = detect_bootstrap_auth(SourceTree(patched))
+    assert found.status == "opt-in" and "backport" in found.detail, (pin, found)
+    assert detect_bootstrap_auth(SourceTree(make_tree(pin, tmp_path / "pristine"))).status == "no", pin
 
 
 def test_every_series_carries_the_three_modules() -> None:
