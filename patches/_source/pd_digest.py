@@ -24,7 +24,6 @@ refusal, decode anyway), ``off`` (no digest published or checked). Any other val
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from enum import Enum
@@ -37,14 +36,9 @@ BODY_LIMIT = 256 * 1024
 
 
 def _auth_headers(method: str, target: str, body: object) -> dict:
-    """The control-plane patch's token for one request to a bootstrap server ({} without a secret, and in a
-    series without that patch: the 0.4.x ones)."""
-    try:
-        from sglang.srt.disaggregation.common import pd_auth
-    except ImportError:
-        if importlib.util.find_spec("sglang.srt.disaggregation.common.pd_auth") is not None:
-            raise  # the module is there and broken: no digest exchange without its token
-        return {}
+    """The control-plane patch's token for one request to a bootstrap server ({} without a secret)."""
+    from sglang.srt.disaggregation.common import pd_auth
+
     return pd_auth.headers(method, target, body)
 
 
