@@ -10,7 +10,9 @@ The page-tag, canary and digest patches run the 0.5.x series' modules unchanged;
 - both allocators live in ``mem_cache/allocator.py`` and free inline in ``free`` (as on 0.5.10.post1);
 - the control-plane authentication patch hooks the Mooncake manager's module (0.4.x has no common/conn.py): the
   ``requests`` it uses is the signing one, its bootstrap server checks the token on every route.
-The page-lifecycle patch brings its own abort notice and drain acknowledgement (this release line has neither)."""
+The page-lifecycle patch brings its own abort notice and drain acknowledgement (this release line has neither).
+This release answers a request the scheduler failed with status 500 as HTTP 200 with no tokens (only 400 and 503
+become HTTP errors): ``answer-failed-requests-with-500`` makes every refusal above an HTTP 500."""
 
 from common_text import *  # noqa: F403
 
