@@ -403,17 +403,20 @@ def page_tags_publish(indent: str) -> tuple[str, str]:
                                       "pd_page_tags.note_published", "self.token_to_kv_pool_allocator")
 
 
+def refusal_abort_500(indent: str, variable: str, label: str) -> str:
+    """``prepare_abort`` of ``decode_req.req`` with 500, the guard's refusal ``variable`` as the message."""
+    return (f"{indent}prepare_abort(\n{indent}    decode_req.req,\n"
+            f"{indent}    \"sglang-harden {label} check failed: \" + {variable},\n"
+            f"{indent}    status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n{indent})\n")
+
+
 def commit_refusal_block(comment: str, variable: str, call: str, label: str) -> str:
     """Decode's commit refuses a real transfer the guard refuses: abort with 500, drop the receiver, return."""
     return (f"        if not _is_fake_transfer(decode_req.req):\n"
             f"            # sglang-harden backport: {comment}\n"
             f"            {variable} = {call}\n"
             f"            if {variable} is not None:\n"
-            f"                prepare_abort(\n"
-            f"                    decode_req.req,\n"
-            f"                    \"sglang-harden {label} check failed: \" + {variable},\n"
-            f"                    status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
-            f"                )\n"
+            + refusal_abort_500(" " * 16, variable, label) +
             f"                decode_req.kv_receiver.clear()\n"
             f"                decode_req.kv_receiver = None\n"
             f"                return\n\n")

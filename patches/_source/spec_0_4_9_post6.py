@@ -172,11 +172,7 @@ def refusal_block_049(comment: str, variable: str, call: str, label: str) -> str
             f"                    else {call}\n"
             f"                )\n"
             f"                if {variable} is not None:\n"
-            f"                    prepare_abort(\n"
-            f"                        decode_req.req,\n"
-            f"                        \"sglang-harden {label} check failed: \" + {variable},\n"
-            f"                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
-            f"                    )\n"
+            + refusal_abort_500(" " * 20, variable, label) +
             f"                    self.scheduler.stream_output(\n"
             f"                        [decode_req.req], decode_req.req.return_logprob\n"
             f"                    )\n"
