@@ -83,12 +83,17 @@ def _notice(room: int, port: int) -> list[bytes]:
     return [b"SGH_ABORT", str(room).encode(), b"127.0.0.1", str(port).encode()]
 
 
+def _prefill(tree: Path, monkeypatch: pytest.MonkeyPatch, **settings: str) -> tuple[Any, Manager]:
+    """The series' lifecycle module loaded with ``settings``, SGLang stubbed, and a prefill manager."""
+    lifecycle = load(tree, monkeypatch, **settings)
+    _stub_sglang(monkeypatch)
+    return lifecycle, Manager()
+
+
 def test_an_abort_is_acknowledged_only_once_the_rooms_chunk_is_done(
         tree: Path, monkeypatch: pytest.MonkeyPatch, decode_socket: Any) -> None:
-    lifecycle = load(tree, monkeypatch)
-    _stub_sglang(monkeypatch)
+    lifecycle, manager = _prefill(tree, monkeypatch)
     sock, port = decode_socket
-    manager = Manager()
     manager.request_status[41] = WAITING
     assert lifecycle.chunk_starts(manager, 41) is False  # the worker holds a chunk of room 41
     assert lifecycle.abort_notice_received(manager, _notice(41, port)) is True
@@ -107,10 +112,8 @@ def test_an_abort_is_acknowledged_only_once_the_rooms_chunk_is_done(
 
 def test_a_room_prefill_never_saw_is_acknowledged_at_once_and_never_written(
         tree: Path, monkeypatch: pytest.MonkeyPatch, decode_socket: Any) -> None:
-    lifecycle = load(tree, monkeypatch)
-    _stub_sglang(monkeypatch)
+    lifecycle, manager = _prefill(tree, monkeypatch)
     sock, port = decode_socket
-    manager = Manager()
     assert lifecycle.abort_notice_received(manager, _notice(42, port)) is True
     assert 42 not in manager.request_status  # no status made up for a room this rank does not know
     assert sock.recv_multipart() == [b"SGH_ABORT_ACK", b"42", b"1"]
@@ -121,10 +124,8 @@ def test_a_room_prefill_never_saw_is_acknowledged_at_once_and_never_written(
 
 def test_a_failed_write_holds_the_ack_and_off_mode_only_consumes_the_notice(
         tree: Path, monkeypatch: pytest.MonkeyPatch, decode_socket: Any) -> None:
-    lifecycle = load(tree, monkeypatch, lifetime="0")
-    _stub_sglang(monkeypatch)
+    lifecycle, manager = _prefill(tree, monkeypatch, lifetime="0")
     sock, port = decode_socket
-    manager = Manager()
     lifecycle.note_failed_write(43)
     assert lifecycle.abort_notice_received(manager, _notice(43, port)) is True
     with pytest.raises(zmq.Again):
