@@ -31,7 +31,7 @@ MODE_ENV = "SGLANG_HARDEN_CANARY"
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/guards/canary.py sglang_harden/kernels/canary_stamps.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/guards/canary.py sglang_harden/kernels/device.py sglang_harden/kernels/canary_stamps.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out

@@ -1,12 +1,12 @@
-"""Decode's commit of a finished transfer (``DecodeTransferQueue._commit_transfer_to_req``), the one choke point
-where five guards look at a request before it may decode: one wrapper running an explicit, ordered list of steps,
-instead of wrappers stacked in the order their hooks happened to be listed.
+"""Decode's commit of a finished transfer (``DecodeTransferQueue._commit_transfer_to_req``): one wrapper running an
+explicit, ordered list of steps, instead of wrappers stacked in the order their hooks happened to be listed.
 
 The order: the page ledger learns the transfer finished (the lifecycle guard's, or the page-tag guard's when
-lifecycle is off); then coverage, canary and checksum, cheapest first, each of which may refuse; SGLang's commit;
-then page tags check the committed page table. The first refusal aborts the request and ends the chain. A step runs
-when its guard's hook joined the chain, whatever else is armed; steps hand each other a per-commit context (the
-ledger's transfer record for page tags), never an attribute set on SGLang's objects.
+lifecycle is off); then coverage, which may refuse (it reads the metadata buffers, host memory); SGLang's commit.
+The first refusal aborts the request and ends the chain. A step runs when its guard's hook joined the chain,
+whatever else is armed; steps hand each other a per-commit context, never an attribute set on SGLang's objects.
+The checks that read device memory (page tags, canary, checksum) decide earlier, at the commit gate
+(:mod:`.commit_gate`), so that nothing here waits for the GPU.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ Func = Callable[..., Any]
 # (the transfer queue, SGLang's DecodeRequest, this commit's context) -> True when it refused (and aborted) the request
 Step = Callable[[Any, Any, dict[str, Any]], bool]
 
-BEFORE_COMMIT = ("ledger", "coverage", "canary", "checksum")
-AFTER_COMMIT = ("page_tags",)
+BEFORE_COMMIT = ("ledger", "coverage")
 MODULE, QUALNAME = COMMIT
 PARAMS = ("self", "decode_req")
 TARGET = f"{MODULE}.{QUALNAME}"
@@ -38,12 +37,12 @@ class CommitChain:
         self.steps: dict[str, Step] = {}
 
     def join(self, name: str, step: Step) -> None:
-        if name not in BEFORE_COMMIT + AFTER_COMMIT:
-            raise ValueError(f"commit chain: unknown step {name!r} (known: {BEFORE_COMMIT + AFTER_COMMIT})")
+        if name not in BEFORE_COMMIT:
+            raise ValueError(f"commit chain: unknown step {name!r} (known: {BEFORE_COMMIT})")
         self.steps[name] = step
 
     def joined(self) -> tuple[str, ...]:
-        return tuple(name for name in BEFORE_COMMIT + AFTER_COMMIT if name in self.steps)
+        return tuple(name for name in BEFORE_COMMIT if name in self.steps)
 
     def around(self, commit: Func) -> Func:
         def chained_commit(queue: Any, decode_req: Any) -> Any:
@@ -52,12 +51,7 @@ class CommitChain:
                 step = self.steps.get(name)
                 if step is not None and step(queue, decode_req, context):
                     return None
-            result = commit(queue, decode_req)
-            for name in AFTER_COMMIT:
-                step = self.steps.get(name)
-                if step is not None:
-                    step(queue, decode_req, context)
-            return result
+            return commit(queue, decode_req)
 
         setattr(chained_commit, CHAIN_MARK, True)
         return chained_commit

@@ -68,17 +68,26 @@ class DigestPublisher:
         self._addr = urllib.parse.urlsplit(base_url).netloc
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s
-        self._queue: queue.Queue[tuple[PublishedShard, float]] = queue.Queue(PUBLISH_QUEUE_CAP)
+        self._queue: queue.Queue[tuple[PublishedShard | Callable[[], PublishedShard], float]] = queue.Queue(
+            PUBLISH_QUEUE_CAP)
         self._sender: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
     def publish(self, shard: PublishedShard) -> None:
+        self._enqueue(shard, shard.room)
+
+    def publish_when_ready(self, make: Callable[[], PublishedShard]) -> None:
+        """Queue a shard that ``make`` produces on the sender's thread (it may wait there, e.g. for a digest still
+        being computed on the GPU; the caller never does)."""
+        self._enqueue(make, "(not yet known)")
+
+    def _enqueue(self, item: PublishedShard | Callable[[], PublishedShard], room: object) -> None:
         self._ensure_sender()
         try:
-            self._queue.put_nowait((shard, time.monotonic()))
+            self._queue.put_nowait((item, time.monotonic()))
         except queue.Full:
             logger.error("sglang-harden: %d digests are waiting to be posted to %s; dropped the digest of room %s"
-                         " (decode will refuse that request)", PUBLISH_QUEUE_CAP, self._base_url, shard.room)
+                         " (decode will refuse that request)", PUBLISH_QUEUE_CAP, self._base_url, room)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued post was sent (tests, shutdown); whether that happened in time."""
@@ -128,9 +137,11 @@ class DigestPublisher:
 
     def _send_forever(self) -> None:
         while True:
-            shard, queued_at = self._queue.get()
+            item, queued_at = self._queue.get()
             try:
-                self._post_until_taken(shard, queued_at)
+                self._post_until_taken(item() if callable(item) else item, queued_at)
+            except Exception as exc:  # noqa: BLE001 - the sender thread must survive a shard that failed
+                logger.error("sglang-harden: a digest could not be posted: %r", exc)
             finally:
                 self._queue.task_done()
 

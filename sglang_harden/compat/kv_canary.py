@@ -2,9 +2,12 @@
 
 When decode tells prefill where to write a request's KV (the backend receiver's ``send_metadata``), it writes a
 fresh 64-bit marker into the first token row of each of those pages, in the first layer's K and the last
-layer's V (:func:`stamp`), before the indices leave. A transfer writes whole pages,
-so every page it wrote has lost its marker; before commit (``_commit_transfer_to_req``) a page still carrying
-its marker was never written, and the request is aborted instead of attending over a previous owner's KV.
+layer's V (:func:`stamp`), before the indices leave. A transfer writes whole pages, so every page it wrote has lost
+its marker; before commit (the commit gate, :mod:`.commit_gate`) a page still carrying its marker was never written,
+and the request is aborted instead of attending over a previous owner's KV.
+
+Nothing here makes decode's scheduler wait for the GPU: the stamp and the check run on a private stream, and the
+check's answer is read by the gate once it landed in pinned memory.
 
 The KV pool comes from decode's scheduler (recorded at its start-up); stamps are per room, at most once per
 room (re-stamping a page with a transfer in flight could erase a write), and bounded in number.
@@ -16,7 +19,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang_harden import events
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import canary
@@ -27,6 +29,8 @@ from sglang_harden.kernels.canary_stamps import (  # noqa: F401 - stamp helpers,
     Stamps,
     canary_buffers,
     check_stamps,
+    decide_check,
+    launch_check,
     stamp,
     still_stamped,
 )
@@ -56,39 +60,35 @@ def _stamp(room: int, pages: list[int], pool: Any) -> None:
     if STAMPS.has(room):
         return
     marker = canary.new_marker(str(room))
-    stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
-    STAMPS.add(room, Stamp(marker, tuple(pages)))
+    slots = stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
+    STAMPS.add(room, Stamp(marker, tuple(pages), slots))
 
 
-def check_before_commit(is_fake_transfer: Callable[[Any], bool],
-                        abort_transferred: Callable[[Any, Any, Decision], None],
-                        agree: Callable[[Any, Decision, str], Decision]) -> Callable[[Any, Any, dict[str, Any]], bool]:
-    """Commit-chain step (``DecodeTransferQueue._commit_transfer_to_req``): refuse when a stamped page is
-    unwritten."""
+class CanaryStep:
+    """The commit gate's canary step: launch the check of the room's stamps, decide once it landed."""
 
-    def canary_step(queue: Any, decode_req: Any, _context: dict[str, Any]) -> bool:
-        mode = RUNTIME.config.canary
+    def launch(self, _queue: Any, decode_req: Any) -> Any:
         req = decode_req.req
-        if mode is Mode.OFF or is_fake_transfer(req):
-            return False
-        rid = str(req.rid)
-        decision = agree(queue, _local_decision(rid, getattr(req, "bootstrap_room", None)), rid)
-        if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
-            abort_transferred(queue, decode_req, decision)
-            return True
-        return False
+        room = getattr(req, "bootstrap_room", None)
+        record = STAMPS.pop(int(room)) if room is not None else None
+        pool = RUNTIME.decode_kv_pool
+        if record is None or pool is None:
+            return None
+        try:
+            return record, launch_check(canary_buffers(pool), record.slots, record.marker)
+        except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
+            return exc
 
-    return canary_step
-
-
-def _local_decision(rid: str, room: Any) -> Decision:
-    stamp = STAMPS.pop(int(room)) if room is not None else None
-    pool = RUNTIME.decode_kv_pool
-    if stamp is None or pool is None:
-        reason = f"request {rid}: no canary stamp recorded for room {room}; refusing to decode unverified pages"
-        return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid, "room": room})
-    try:
-        return check_stamps(rid, canary_buffers(pool), stamp.pages, int(pool.page_size), stamp.marker)
-    except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
-        reason = f"request {rid}: canary check failed ({exc!r}); refusing to decode unverified pages"
-        return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid})
+    def decide(self, _queue: Any, decode_req: Any, pending: Any) -> Decision | None:
+        rid = str(decode_req.req.rid)
+        if pending is None:
+            room = getattr(decode_req.req, "bootstrap_room", None)
+            reason = f"request {rid}: no canary stamp recorded for room {room}; refusing to decode unverified pages"
+            return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid, "room": room})
+        if isinstance(pending, Exception):
+            reason = f"request {rid}: canary check failed ({pending!r}); refusing to decode unverified pages"
+            return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid})
+        record, check = pending
+        if not check.ready():
+            return None
+        return decide_check(rid, record.pages, check)

@@ -2,12 +2,13 @@
 
 Prefill, when a request's final chunk is about to be sent, digests the request's KV rows for exactly the
 token range it sends (``[decode's cached prefix, sent end)``) on each TP rank and posts the packed shard to its
-bootstrap server (:mod:`.digest_channel`, posted by a background thread as the send is issued), or a notice
-saying why it has none.
-Decode, before committing a finished transfer, digests the rows at its own slots for ``[prefill's start,
-reserved length)``, compares per head (:func:`checksum.compare`), and when its TP group has more than one rank,
-agrees with the other ranks over the queue's gloo group within a bound (:func:`checksum.agree_across_ranks`).
-The decision is applied through the same abort as coverage. A publishing prefill whose digest does not arrive
+bootstrap server (:mod:`.digest_channel`), or a notice saying why it has none. The digest runs on the current
+stream (after the forward that wrote the rows, before anything that could overwrite them); the publisher's
+background thread waits for it and posts it, never the scheduler.
+Decode, when the transfer reports success (a step of the commit gate, :mod:`.commit_gate`), fetches prefill's
+digests off the scheduler thread, digests the rows at its own slots for ``[prefill's start, reserved length)`` on
+a private stream, and compares per head (:func:`checksum.compare`) once both are on the host. TP ranks agree
+through the gate (a refusal fails the transfer on every rank). A publishing prefill whose digest does not arrive
 within ``checksum_wait_ms`` leaves nothing to verify against: decode refuses the request (fails closed).
 
 Family differences (how a ``Req`` names its pool row and sent range, how decode aborts) come in as a
@@ -21,13 +22,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_harden import events
 from sglang_harden.compat import digest_channel
 from sglang_harden.compat.digest_pool import (  # noqa: F401 - re-exported: tests and shims read them here
-    TorchGroupTransport,
     _parallel_context,
     _tp_coordinates,
     _tp_rank,
@@ -37,13 +37,15 @@ from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import checksum
 from sglang_harden.guards.base import Decision
-from sglang_harden.kernels.digest import shard_digest
+from sglang_harden.kernels.device import on_accelerator, side_stream
+from sglang_harden.kernels.digest_launch import PendingDigest, launch_digest
 from sglang_harden.kernels.digest_spec import ShardDigest
 
 logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
-AGREE_TIMEOUT_S = 10.0
+FETCH_THREADS = 16
+_FETCHER: ThreadPoolExecutor | None = None
 
 
 class DigestTimer:
@@ -86,22 +88,33 @@ class DigestReader:
 # ---------------------------------------------------------------------------------------------- layout
 
 
-def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDigest | None, str]:
-    """This rank's digest of the request's KV rows ``[start, end)`` (``req_to_token[row]``)."""
+def launch_digest_rows(scheduler: Any, row: int, start: int, end: int,
+                       stream: Any = None) -> tuple[PendingDigest | None, str]:
+    """Start this rank's digest of the request's KV rows ``[start, end)`` (``req_to_token[row]``) on ``stream``."""
     layout, k_buffers, v_buffers, reason = pool_layout(scheduler)
     if layout is None:
         return None, reason
     slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
-    return shard_digest(k_buffers, v_buffers, slots, layout, start_token=start, rank=_tp_rank(scheduler)), ""
+    return launch_digest(k_buffers, v_buffers, slots, layout, start, _tp_rank(scheduler), stream), ""
+
+
+def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDigest | None, str]:
+    """This rank's digest of the request's KV rows ``[start, end)``, waited for (tests and tools only)."""
+    pending, reason = launch_digest_rows(scheduler, row, start, end)
+    if pending is None:
+        return None, reason
+    pending.wait()
+    return pending.shard(), ""
 
 
 # ---------------------------------------------------------------------------------------------- prefill
 
 
 def publish_sent_digest(reader: DigestReader) -> Callable[[Func], Func]:
-    """``send_kv_chunk(req, last_chunk, end_idx)``: before the final chunk goes out, publish this rank's digest
-    of every row the request sends, or a notice of why there is none (decode skips an undigestible layout and
-    refuses a failed digest)."""
+    """``send_kv_chunk(req, last_chunk, end_idx)``: before the final chunk goes out, start this rank's digest of
+    every row the request sends on the current stream (after the forward that wrote them, before anything that
+    could overwrite them) and hand it to the publisher, whose thread posts it once it landed; or publish a notice
+    of why there is none (decode skips an undigestible layout and refuses a failed digest)."""
 
     def make(original: Func) -> Func:
         def send_kv_chunk(self: Any, req: Any, last_chunk: bool = False, end_idx: Any = None) -> Any:
@@ -120,102 +133,117 @@ def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> No
     room = getattr(req, "bootstrap_room", None)
     if room is None:
         return
-    code = checksum.NOTICE_NOT_DIGESTIBLE
-    began = time.perf_counter()
-    try:
-        start, end = reader.sent_range(scheduler, req, end_idx)
-        shard, reason = digest_rows(scheduler, reader.pool_row(req), start, end)
-        TIMER.add("publish.digest", time.perf_counter() - began)
-    except Exception as exc:  # noqa: BLE001 - never break a send; decode is told and refuses the request
-        shard, reason, code = None, f"digest failed: {exc!r}", checksum.NOTICE_FAILED
-    if shard is None:
-        logger.warning("sglang-harden: no KV digest for request %s: %s", req.rid, reason)
-        rank = _tp_rank(scheduler)
-        published = digest_channel.PublishedShard(int(room), rank, tuple(checksum.pack_notice(rank, code)))
-    else:
-        published = digest_channel.PublishedShard(int(room), shard.rank, tuple(checksum.pack_shard(shard)))
+    rank = _tp_rank(scheduler)
     publisher = RUNTIME.digest_publisher
     assert publisher is not None
-    publisher.publish(published)
+    try:
+        start, end = reader.sent_range(scheduler, req, end_idx)
+        pending, reason = launch_digest_rows(scheduler, reader.pool_row(req), start, end)
+    except Exception as exc:  # noqa: BLE001 - never break a send; decode is told and refuses the request
+        pending, reason = None, f"digest failed: {exc!r}"
+        code = checksum.NOTICE_FAILED
+    else:
+        code = checksum.NOTICE_NOT_DIGESTIBLE
+    if pending is None:
+        logger.warning("sglang-harden: no KV digest for request %s: %s", req.rid, reason)
+        publisher.publish(digest_channel.PublishedShard(int(room), rank, tuple(checksum.pack_notice(rank, code))))
+        return
+    publisher.publish_when_ready(lambda: _landed(int(room), rank, pending))
+
+
+def _landed(room: int, rank: int, pending: PendingDigest) -> digest_channel.PublishedShard:
+    """The published shard once the digest landed (the publisher's thread waits for it, never the scheduler)."""
+    try:
+        pending.wait()
+        shard = pending.shard()
+    except Exception as exc:  # noqa: BLE001 - decode is told and refuses the request
+        logger.warning("sglang-harden: the KV digest of room %s failed: %r", room, exc)
+        return digest_channel.PublishedShard(room, rank, tuple(checksum.pack_notice(rank, checksum.NOTICE_FAILED)))
+    return digest_channel.PublishedShard(room, shard.rank, tuple(checksum.pack_shard(shard)))
 
 
 # ----------------------------------------------------------------------------------------------- decode
 
 
-def verify_before_commit(reader: DigestReader) -> Callable[[Any, Any, dict[str, Any]], bool]:
-    """Commit-chain step (``DecodeTransferQueue._commit_transfer_to_req``): every rank verifies its shard, the
-    ranks agree, and a mismatch aborts the request before its first decode step."""
+@dataclass
+class _Verifying:
+    """The checksum step's work for one room: prefill's digests on their way (a background fetch), then this
+    rank's own digest of the same rows."""
 
-    def checksum_step(queue: Any, decode_req: Any, _context: dict[str, Any]) -> bool:
-        mode = RUNTIME.config.checksum
+    fetch: Future[digest_channel.Fetched]
+    began: float
+    layout_heads: frozenset[int] = frozenset()
+    local: PendingDigest | None = None
+    published: list[Any] = field(default_factory=list)
+
+
+def _fetcher() -> ThreadPoolExecutor:
+    global _FETCHER
+    if _FETCHER is None:
+        _FETCHER = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="sglang-harden-digest-fetch")
+    return _FETCHER
+
+
+class ChecksumStep:
+    """The commit gate's checksum step: fetch prefill's digests off the scheduler thread, then digest the same rows
+    here on the private stream, compare once both are on the host. Waits at most ``checksum_wait_ms`` for
+    prefill's digests (fails closed after)."""
+
+    def __init__(self, reader: DigestReader) -> None:
+        self.reader = reader
+
+    def launch(self, queue: Any, decode_req: Any) -> Any:
         req = decode_req.req
-        if mode is Mode.OFF or reader.is_fake_transfer(req):
-            return False
-        began = time.perf_counter()
-        decision = agree_on_group(queue, _local_decision(queue, decode_req, reader), str(req.rid))
-        TIMER.add("verify", time.perf_counter() - began)
-        if events.record(decision, mode, room=getattr(req, "bootstrap_room", None)):
-            reader.abort_transferred(queue, decode_req, decision)
-            return True
-        return False
+        layout, _, _, reason = pool_layout(queue.scheduler)
+        if layout is None:
+            return checksum.not_comparable(str(req.rid), reason)
+        mine = frozenset(layout.heads)
 
-    return checksum_step
+        def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
+            covered = {h for s in checksum.published_shards(shards) for h in s.layout.heads}
+            return bool(checksum.notices_in(shards)) or mine <= covered
 
+        addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
+        wait_s = RUNTIME.config.checksum_wait_ms / 1000
+        fetch = _fetcher().submit(digest_channel.receive_digests, RUNTIME.feed, addr, int(req.bootstrap_room),
+                                  wait_s, decidable)
+        return _Verifying(fetch, time.perf_counter(), mine)
 
-def _local_decision(queue: Any, decode_req: Any, reader: DigestReader) -> Decision:
-    req = decode_req.req
-    rid = str(req.rid)
-    try:
-        return _compare_with_prefill(queue.scheduler, decode_req, reader)
-    except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed, on this rank and so on all
-        return checksum.unverifiable(rid, repr(exc))
+    def decide(self, queue: Any, decode_req: Any, pending: Any) -> Decision | None:
+        if isinstance(pending, Decision):
+            return pending
+        rid = str(decode_req.req.rid)
+        try:
+            return self._decide(queue, decode_req, pending)
+        except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
+            return checksum.unverifiable(rid, repr(exc))
 
-
-def _compare_with_prefill(scheduler: Any, decode_req: Any, reader: DigestReader) -> Decision:
-    req = decode_req.req
-    rid = str(req.rid)
-    layout, _, _, reason = pool_layout(scheduler)
-    if layout is None:
-        return checksum.not_comparable(rid, reason)
-    mine = set(layout.heads)
-    addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
-
-    def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
-        covered = {h for s in checksum.published_shards(shards) for h in s.layout.heads}
-        return bool(checksum.notices_in(shards)) or mine <= covered
-
-    wait_s = RUNTIME.config.checksum_wait_ms / 1000
-    began = time.perf_counter()
-    fetched = digest_channel.receive_digests(RUNTIME.feed, addr, int(req.bootstrap_room), wait_s, decidable)
-    fetch_s = time.perf_counter() - began
-    TIMER.add("verify.fetch", fetch_s)
-    TIMER.add(f"verify.fetch.{fetched.via}", fetch_s)
-    notices = checksum.notices_in(fetched.shards)
-    if notices:
-        return checksum.decide_on_notices(rid, notices)
-    if fetched.timed_out:
-        return checksum.unverifiable(rid, fetched.reason)
-    published = checksum.published_shards(fetched.shards)
-    if not published:
-        return checksum.not_comparable(rid, fetched.reason or "prefill published no digest")
-    start = min(s.start_token for s in published)
-    shard, reason = digest_rows(scheduler, reader.pool_row(req), start, len(req.origin_input_ids))
-    if shard is None:
-        return checksum.not_comparable(rid, reason)
-    return checksum.compare(published, shard, rid)
-
-
-def agree_on_group(queue: Any, local: Decision, rid: str) -> Decision:
-    """One outcome for every rank of decode's TP group (a lone rank agrees with itself); ranks commit the same
-    requests in the same order (their polls are all-reduced), so the exchange pairs up."""
-    group = getattr(queue, "gloo_group", None)
-    if group is None or _world_size(group) <= 1:
-        return local
-    transport = TorchGroupTransport(group)
-    return checksum.agree_across_ranks([local], transport, AGREE_TIMEOUT_S, [rid])[0]
-
-
-def _world_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    return int(dist.get_world_size(group)) if dist.is_initialized() else 1
+    def _decide(self, queue: Any, decode_req: Any, work: _Verifying) -> Decision | None:
+        req = decode_req.req
+        rid = str(req.rid)
+        if work.local is None:
+            if not work.fetch.done():
+                return None
+            fetched = work.fetch.result()
+            TIMER.add("verify.fetch", time.perf_counter() - work.began)
+            notices = checksum.notices_in(fetched.shards)
+            if notices:
+                return checksum.decide_on_notices(rid, notices)
+            if fetched.timed_out:
+                return checksum.unverifiable(rid, fetched.reason)
+            work.published = checksum.published_shards(fetched.shards)
+            if not work.published:
+                return checksum.not_comparable(rid, fetched.reason or "prefill published no digest")
+            start = min(s.start_token for s in work.published)
+            scheduler = queue.scheduler
+            row = scheduler.req_to_token_pool.req_to_token[self.reader.pool_row(req)]
+            stream = side_stream(row.device) if on_accelerator(row) else None
+            local, reason = launch_digest_rows(scheduler, self.reader.pool_row(req), start,
+                                               len(req.origin_input_ids), stream)
+            if local is None:
+                return checksum.not_comparable(rid, reason)
+            work.local = local
+        if not work.local.ready():
+            return None
+        TIMER.add("verify", time.perf_counter() - work.began)
+        return checksum.compare(work.published, work.local.shard(), rid)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
 from sglang_harden.guards.base import Decision, Verdict, allow
 from sglang_harden.guards.lifecycle import LedgerError, PageLedger, PageState
+from sglang_harden.kernels.device import HostCopy, on_accelerator
 
 logger = logging.getLogger("sglang_harden")
 
@@ -44,6 +46,19 @@ def _index_width(tensor: Any) -> bool | None:
     return _INDEX_WIDTHS.get(tensor.dtype)
 
 
+@dataclass(frozen=True)
+class HeldFree:
+    """A free SGLang asked for that the guard keeps back whole: the index tensor (a device-side copy: the guard
+    never reads it on the host), the allocator call that frees it later, and how many KV tokens it holds."""
+
+    release: Callable[[Any], Any]
+    index: Any
+    tokens: int
+
+    def give_back(self) -> None:
+        self.release(self.index)
+
+
 # ---------------------------------------------------------------- decode node
 
 
@@ -58,6 +73,7 @@ class Transfer:
     generation: int
     pages: np.ndarray
     receiver: Any = None
+    written: bool = False  # the transfer reported success on this rank: no write into its pages can come
 
 
 @dataclass
@@ -75,6 +91,8 @@ class DecodeNode:
     _never_started: dict[tuple[int, str], None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     table_view: tuple[Any, np.ndarray] | None = None  # (req_to_token, its numpy view) when it lives on the CPU
+    held: dict[str, list[HeldFree]] = field(default_factory=dict)  # owner -> frees kept back until it drains
+    learning: list[HostCopy] = field(default_factory=list)  # pages SGLang freed, on their way to the host
 
     @classmethod
     def for_allocator(cls, allocator: Any, cap: int) -> DecodeNode:
@@ -100,8 +118,9 @@ class DecodeNode:
         """Reserve ``pages`` for the room's transfer, already handed to its writer. ``pages`` becomes the ledger's
         (the caller never changes it afterwards)."""
         owner = owner_of_room(room)
+        self.apply_learned()
         try:
-            generation = self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+            generation = self._reserve(owner, pages)
         except LedgerError as exc:
             return Decision(lifecycle.GUARD, Verdict.ABORT, f"destination page not free: {exc}", 500,
                             {"room": room})
@@ -109,11 +128,31 @@ class DecodeNode:
                                                               receiver)
         return PUBLISHED  # the caller's log line names the room
 
+    def _reserve(self, owner: str, pages: np.ndarray) -> int:
+        try:
+            return self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+        except LedgerError:
+            if not self.learning:
+                raise
+        # A page SGLang freed was handed out again before the copy that tells us of the free landed (SGLang's own
+        # read of the new pages normally lands it first): wait for it. A host synchronisation, on this rare path.
+        self.apply_learned(wait=True)
+        return self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+
     def finish(self, room: int) -> Transfer | None:
         transfer = self.by_room.get(room)
-        if transfer is not None:
+        if transfer is not None and not transfer.written:
             self.ledger.move_bulk(transfer.owner, transfer.pages, PageState.WRITTEN)
+            transfer.written = True
         return transfer
+
+    def in_flight(self, room: int | None) -> Transfer | None:
+        """The room's transfer while a write into its pages may still come (reserved, not reported written)."""
+        transfer = self.by_room.get(room) if room is not None else None
+        return transfer if transfer is not None and not transfer.written else None
+
+    def any_in_flight(self) -> bool:
+        return any(not transfer.written for transfer in self.transfers.values())
 
     # ---- drain evidence (any thread)
     def note_ack(self, room: int, rank: int) -> None:
@@ -160,7 +199,7 @@ class DecodeNode:
         """Enforce mode's usual free (one request's pages, none still writable, or none tracked) in one native
         call over a CPU index tensor's own memory, without making a numpy array of it. False: nothing changed,
         the caller runs :meth:`keep_back`."""
-        if RUNTIME.config.lifecycle is not Mode.ENFORCE or self.page_size != 1 or not free_index.is_cpu:
+        if RUNTIME.config.lifecycle is not Mode.ENFORCE or self.page_size != 1 or on_accelerator(free_index):
             return False
         wide = _index_width(free_index)
         if wide is None or not free_index.is_contiguous():
@@ -232,25 +271,93 @@ class DecodeNode:
                 self._acks.pop(transfer.room, None)
                 self._never_started.pop((transfer.room, transfer.addr), None)
 
+    # ---- frees decided without reading the index (scheduler thread)
+    def hold_release(self, owner: str, held: HeldFree, mode: Mode) -> bool:
+        """SGLang releases ``owner``'s request while its transfer may still write: the ledger quarantines the
+        transfer's pages (from its own host copy of them) and the whole free is kept back until the writer
+        drains. False: nothing to keep (the writer drained already, or log mode): the caller frees now."""
+        transfer = self.transfers.get(owner)
+        if transfer is None:
+            return False
+        self._release(owner, transfer.pages, mode)
+        if mode is not Mode.ENFORCE or owner not in self.ledger.quarantined_owners():
+            return False
+        self.held.setdefault(owner, []).append(held)
+        return True
+
+    def hold_pages(self, pages: np.ndarray, make: Callable[[np.ndarray], HeldFree]) -> None:
+        """Pages the ledger quarantined on a free it read (``keep_back``): kept back by owner, ``make(pages)``
+        turning each owner's pages into the free that gives them back later."""
+        owner_ids = self.ledger.owner_ids_of(pages)
+        for owner_id in lifecycle.distinct(owner_ids).tolist():
+            owner = self.ledger.owner_name(owner_id)
+            if owner is not None:
+                self.held.setdefault(owner, []).append(make(pages[owner_ids == owner_id]))
+
+    def learn(self, index: Any) -> None:
+        """SGLang freed ``index`` (page numbers) without the guard reading it: the ledger learns of it once the
+        copy lands on the host (:meth:`apply_learned`)."""
+        if index.numel():
+            self.learning.append(HostCopy.launch([index]))
+            self.apply_learned()  # a host index is there at once
+
+    def apply_learned(self, wait: bool = False) -> None:
+        """Bring the ledger up to date with the frees whose copies landed (in order; ``wait``: all of them, a host
+        synchronisation). A page found still being written was freed outside any release the guard can attribute:
+        it is too late to keep it back, and that is reported loudly."""
+        while self.learning:
+            copy = self.learning[0]
+            if not copy.ready():
+                if not wait:
+                    return
+                copy.wait()
+            self.learning.pop(0)
+            self._learn_freed(copy.numpy().astype(np.int64, copy=False))
+
+    def _learn_freed(self, pages: np.ndarray) -> None:
+        if self._usual_free_done(*self.ledger.release_unwritable(pages)):
+            return
+        for group_owner, owned in self.ledger.owner_groups(pages):
+            writing = self._still_writing(group_owner, owned)
+            if writing:
+                decision = Decision(lifecycle.GUARD, Verdict.ABORT, f"{len(writing)} KV pages of {group_owner} were "
+                                    "freed outside a request's release while its transfer may still write them",
+                                    None, {"owner": group_owner, "pages": len(writing)})
+                events.record(decision, Mode.LOG)
+            self.ledger.release_bulk(group_owner, owned, writer_drained=True)
+            if self._all_free(group_owner):
+                self._forget(group_owner)
+
     # ---- leaving quarantine (scheduler thread)
-    def confirmations(self) -> list[int]:
-        """Pages whose writer drained or is gone since the last call: they may go to the free list now (the loop
-        hook calls this only while something is quarantined)."""
-        freed: list[int] = []
+    def confirmations(self) -> tuple[list[HeldFree], list[int]]:
+        """The frees kept back for writers that drained or are gone since the last call, and the quarantined pages
+        of those writers no kept-back free holds: both may go to the free list now (the loop hook calls this only
+        while something is quarantined)."""
+        given_back: list[HeldFree] = []
+        loose: list[int] = []
         for owner in self.ledger.quarantined_owners():
             if self.drained(owner):
                 pages = self.ledger.confirm_drained(owner)
-                freed.extend(pages)
+                held = self.held.pop(owner, None)
+                if held is None:
+                    loose.extend(pages)
+                else:
+                    given_back.extend(held)
                 decision = Decision(lifecycle.GUARD, Verdict.RELEASE, "writer drained", None,
                                     {"owner": owner, "pages": len(pages)})
                 events.record(decision, Mode.ENFORCE)
                 self._forget(owner)
-        if freed:
+        if given_back or loose:
             events.set_quarantined_pages(self.ledger.quarantined_count())
-        return freed
+        return given_back, loose
 
     def held_tokens(self) -> int:
-        return self.ledger.quarantined_count() * self.page_size
+        """KV tokens SGLang freed that are not on its free list: the frees kept back, and quarantined pages no
+        kept-back free holds."""
+        kept = sum(held.tokens for frees in self.held.values() for held in frees)
+        loose = sum(len(self.ledger.quarantined_pages(owner)) for owner in self.ledger.quarantined_owners()
+                    if owner not in self.held)
+        return kept + loose * self.page_size
 
     def report(self) -> dict[str, Any]:
         cap = self.quarantine_cap
@@ -262,6 +369,8 @@ class DecodeNode:
             "admission_open": self.ledger.quarantined_count() < cap,
             "tracked_transfers": len(self.transfers),
             "pages_not_free_in_ledger": int(np.count_nonzero(self.states != FREE)),
+            "frees_kept_back": sum(len(frees) for frees in self.held.values()),
+            "frees_not_yet_learned": len(self.learning),
         }
 
 

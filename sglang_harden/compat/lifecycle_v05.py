@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
-from sglang_harden.compat import commit_chain
+from sglang_harden.compat import commit_chain, free_path_v05
 from sglang_harden.compat.abort_v05 import abort_and_stream
 from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
 from sglang_harden.compat.internals import (
@@ -57,11 +57,9 @@ from sglang_harden.compat.internals import (
     DECODE_DOOR,
     INVARIANTS,
     NOTE_ABORT_ACK,
-    PAGED_RELEASE,
     POP_TRANSFERRED,
     PREFILL,
     SCHEDULER,
-    TOKEN_FREE,
 )
 from sglang_harden.compat.lifecycle_nodes import (
     PUBLISHED,
@@ -74,6 +72,7 @@ from sglang_harden.compat.shared import role_of
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
 from sglang_harden.guards.base import Decision, Verdict, allow
+from sglang_harden.kernels.device import EventThen
 
 logger = logging.getLogger("sglang_harden")
 
@@ -90,72 +89,11 @@ ADMITTED_TALLY = events.Tally(allow(lifecycle.GUARD))  # the quarantine door let
 NODE: DecodeNode | PrefillNode | None = None
 
 
+free_path_v05.read_node_from(lambda: NODE)
+
+
 def node_report() -> dict[str, Any] | None:
     return NODE.report() if NODE is not None else None
-
-
-# ---------------------------------------------------------------- allocator hooks (both roles)
-
-
-def _pages_of(free_index: Any, page_size: int) -> np.ndarray:
-    try:
-        raw = free_index.numpy()  # index tensors never require grad; a CUDA tensor raises here
-    except (TypeError, RuntimeError):
-        raw = free_index.detach().cpu().numpy()
-    arr = raw.astype(np.int64, copy=False)
-    return arr // page_size if page_size > 1 else arr
-
-
-def _filter(node: DecodeNode | PrefillNode, pages: np.ndarray) -> np.ndarray | None:
-    mode = RUNTIME.config.lifecycle
-    return node.keep_back(pages, mode)
-
-
-def _token_free(original: Func) -> Func:
-    def free(self: Any, free_index: Any) -> Any:
-        node = NODE
-        if node is None or self is not node.allocator or free_index.numel() == 0:
-            return original(self, free_index)
-        if isinstance(node, DecodeNode) and node.released_in_place(free_index):
-            return original(self, free_index)
-        keep = _filter(node, _pages_of(free_index, 1))
-        if keep is None:
-            return original(self, free_index)
-        import torch
-
-        passed = free_index[torch.from_numpy(~keep).to(free_index.device)]
-        return original(self, passed)
-
-    return free
-
-
-def _paged_release(original: Func) -> Func:
-    def release_page_ids(self: Any, *page_ids: Any) -> Any:
-        node = NODE
-        if node is None or self is not node.allocator:
-            return original(self, *page_ids)
-        import torch
-
-        passed = []
-        for ids in page_ids:
-            keep = _filter(node, _pages_of(ids, 1)) if ids.numel() else None
-            passed.append(ids if keep is None else ids[torch.from_numpy(~keep).to(ids.device)])
-        return original(self, *passed)
-
-    return release_page_ids
-
-
-def _free_now(node: DecodeNode | PrefillNode, pages: list[int]) -> None:
-    if not pages:
-        return
-    import torch
-
-    allocator = node.allocator
-    index = torch.tensor(pages, dtype=torch.int64, device=allocator.device)
-    if node.page_size == 1:
-        allocator.free(index)
-    else:
-        allocator._release_page_ids(index)
 
 
 # ---------------------------------------------------------------- start-up (both roles)
@@ -240,8 +178,12 @@ def _finish_transfer(_queue: Any, decode_req: Any, context: dict[str, Any]) -> b
 def _confirmations_first(original: Func) -> Func:
     def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
         node = NODE
-        if isinstance(node, DecodeNode) and node.ledger.quarantined_count():
-            _free_now(node, node.confirmations())
+        if isinstance(node, DecodeNode):
+            node.apply_learned()
+            if node.ledger.quarantined_count():
+                given_back, loose = node.confirmations()
+                free_path_v05.give_back(given_back)
+                free_path_v05.free_loose_pages(node, loose)
         return original(self, *args, **kwargs)
 
     return pop_transferred
@@ -292,13 +234,29 @@ def _quarantine_door(original: Func) -> Func:
 
 
 def _hold_sources(original: Func) -> Func:
+    """The chunk's source pages are held for its room. From 0.5.21 SGLang hands the indices over while it is still
+    copying them to pinned host memory (``indices_event`` completes the copy; its transfer worker waits for it):
+    they are read once the event is seen complete, never before."""
+
     def add_transfer_request(self: Any, bootstrap_room: int, kv_indices: Any, *args: Any, **kwargs: Any) -> Any:
         node = NODE
         if isinstance(node, PrefillNode) and _will_enqueue(self, bootstrap_room):
-            node.hold(self, int(bootstrap_room), np.array(kv_indices, dtype=np.int64))  # the node's own copy
+            event = kwargs.get("indices_event")
+            if event is not None:
+                read = node.hold_unread(self, int(bootstrap_room), kv_indices, event)
+                kwargs["indices_event"] = EventThen(event, read)
+            else:
+                node.hold(self, int(bootstrap_room), _host_pages(kv_indices))
         return original(self, bootstrap_room, kv_indices, *args, **kwargs)
 
     return add_transfer_request
+
+
+def _host_pages(kv_indices: Any) -> np.ndarray:
+    """The node's own int64 copy of page indices SGLang holds on the host (numpy, or a host tensor)."""
+    if isinstance(kv_indices, np.ndarray):
+        return kv_indices.astype(np.int64, copy=True)
+    return free_path_v05._pages_of(kv_indices, 1).copy()
 
 
 def chunks_queued(room: int) -> bool:
@@ -320,7 +278,8 @@ def _settle_after_inflight(original: Func) -> Func:
         result = original(self, *args, **kwargs)
         node = NODE
         if isinstance(node, PrefillNode) and node.busy():
-            _free_now(node, node.settle_pending())
+            free_path_v05.free_loose_pages(node, node.settle_pending())
+            free_path_v05.give_back(node.take_given_back())
         return result
 
     return process
@@ -441,8 +400,7 @@ def _withhold_ack(original: Func) -> Func:
 
 HOOKS: list[Hook] = [
     Hook("lifecycle", SCHEDULER, "Scheduler.__init__", ("self", "server_args", "port_args"), _scheduler_init),
-    Hook("lifecycle", *TOKEN_FREE, ("self", "free_index"), _token_free),
-    Hook("lifecycle", *PAGED_RELEASE, ("self",), _paged_release),
+    *free_path_v05.HOOKS,
     Hook("lifecycle", ALLOC_TOKEN, "TokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator.available_size", ("self",), _available_less_stuck),
     Hook("lifecycle", *POP_TRANSFERRED, ("self",), _confirmations_first),
@@ -468,7 +426,7 @@ HOOKS: list[Hook] = [
 # their own owner only then. Lifecycle's decisions stay off (mode off releases every freed page at once, changes no
 # SGLang setting and makes no prefill node).
 # Known by their wrappers, so a backend's receiver hook (it wraps ``_send_metadata``) is one without being listed.
-LEDGER_WRAPPERS = (_scheduler_init, _token_free, _paged_release, _send_metadata)
+LEDGER_WRAPPERS = (_scheduler_init, _send_metadata, *free_path_v05.LEDGER_WRAPPERS)
 
 
 def ledger_hooks(lifecycle_hooks: list[Hook]) -> list[Hook]:

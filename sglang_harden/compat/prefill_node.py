@@ -17,12 +17,19 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
-from sglang_harden.compat.lifecycle_nodes import _kv_poll
+from sglang_harden.compat.lifecycle_nodes import HeldFree, _kv_poll
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
 from sglang_harden.guards.base import Decision, Verdict
 
 logger = logging.getLogger("sglang_harden")
+
+
+class UnreadChunk:
+    """A chunk's page indices in pinned host memory, valid once SGLang's copy event completed."""
+
+    def __init__(self, indices: Any, event: Any) -> None:
+        self.indices, self.event = indices, event
 
 
 @dataclass
@@ -38,13 +45,17 @@ class SourceRoom:
     stashed_acks: list[Callable[[], Any]] = field(default_factory=list)  # drain acks withheld until settled
     kept_target: Any = None  # a drain-ack target SGLang dropped (sent to once the room settled)
     distinct: tuple[int, np.ndarray] | None = None  # (len(sources), their distinct pages): asked on every step
+    # chunks whose page indices are still being copied to the host (0.5.21+): (the pinned tensor, its event)
+    unread_sources: list[UnreadChunk] = field(default_factory=list)
+    held: list[HeldFree] = field(default_factory=list)  # frees of the room's request kept back until it settles
 
     def needs_attention(self) -> bool:
         """Something the scheduler's settle step must still do for this room."""
-        return bool(self.pending or self.stashed_acks or self.kept_target is not None or self.failed_at is not None)
+        return bool(self.pending or self.held or self.stashed_acks or self.kept_target is not None
+                    or self.failed_at is not None)
 
     def empty(self) -> bool:
-        return not self.sources and not self.needs_attention()
+        return not self.sources and not self.unread_sources and not self.needs_attention()
 
 
 @dataclass
@@ -61,6 +72,7 @@ class PrefillNode:
     rooms: dict[int, SourceRoom] = field(default_factory=dict)
     attention: set[int] = field(default_factory=set)
     lifetime_s: float = 30.0
+    given_back: list[HeldFree] = field(default_factory=list)  # kept-back frees of rooms that settled, to free
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -96,6 +108,59 @@ class PrefillNode:
         self.kv_mgr = kv_mgr
         self._change(room, lambda record: record.sources.append(pages))
         self.held_room[pages] = room
+
+    def hold_unread(self, kv_mgr: Any, room: int, indices: Any, event: Any) -> Callable[[], None]:
+        """Hold the pages of a chunk whose indices SGLang is still copying to the host (``indices``, pinned,
+        complete once ``event`` is): they are read once the event says so, by whoever asks first -- the transfer
+        worker, which waits on the event before it reads the indices itself, or this node. Returns what reads
+        them (idempotent)."""
+        self.kv_mgr = kv_mgr
+        chunk = UnreadChunk(indices, event)
+        self._change(room, lambda record: record.unread_sources.append(chunk))
+        return lambda: self._read_chunk(room, chunk)
+
+    def _read_chunk(self, room: int, chunk: UnreadChunk) -> None:
+        def take(record: SourceRoom) -> bool:
+            for i, unread in enumerate(record.unread_sources):
+                if unread is chunk:
+                    del record.unread_sources[i]
+                    return True
+            return False
+
+        if self._take(room, take):
+            self.hold(self.kv_mgr, room, np.array(chunk.indices.numpy(), dtype=np.int64))
+
+    def read_landed_sources(self, wait: bool = False) -> None:
+        """Hold the chunks whose index copies landed (``wait``: all of them, a host synchronisation: only the
+        rare paths that must know every source page call it so)."""
+        with self._lock:
+            unread = [(room, chunk) for room, record in self.rooms.items() for chunk in record.unread_sources]
+        for room, chunk in unread:
+            if wait:
+                chunk.event.synchronize()
+            elif not chunk.event.query():
+                continue
+            self._read_chunk(room, chunk)
+
+    def free_of_room_is_safe(self, room: int) -> bool:
+        """Whether SGLang may free the pages of ``room``'s request now: no chunk of it may still be read."""
+        record = self.rooms.get(room)
+        if record is None or (not record.sources and not record.unread_sources and record.failed_at is None):
+            return True
+        if self.settled(room):
+            self._settle(room)
+            return True
+        return False
+
+    def hold_free(self, room: int, held: HeldFree, mode: Mode) -> bool:
+        """Keep a free of ``room``'s request back until the room settled (False: log mode, free it now)."""
+        decision = Decision(lifecycle.GUARD, Verdict.QUARANTINE,
+                            f"pages of room {room} freed before its transfer settled; held", None,
+                            {"room": room, "tokens": held.tokens})
+        if not events.record(decision, mode):
+            return False
+        self._change(room, lambda record: record.held.append(held))
+        return True
 
     def note_failed_write(self, rooms: Sequence[int]) -> None:
         """The transport gave up on a write of these rooms: its bytes may still land for ``lifetime_s``."""
@@ -171,6 +236,7 @@ class PrefillNode:
 
     def keep_back(self, pages: np.ndarray, mode: Mode) -> np.ndarray | None:
         """Mask of ``pages`` whose transfer has not settled (None: free them all); settled rooms let go."""
+        self.read_landed_sources(wait=True)
         rooms = self.held_room[pages]
         held = np.count_nonzero(rooms)  # 0: held by no room
         if held == 0:
@@ -202,7 +268,7 @@ class PrefillNode:
 
         def settle(record: SourceRoom) -> list[np.ndarray]:
             sources = record.sources
-            record.sources, record.distinct = [], None
+            record.sources, record.distinct, record.unread_sources = [], None, []
             return sources
 
         for pages in self._take(room, settle) or ():
@@ -218,12 +284,18 @@ class PrefillNode:
                 self._forget_failure(room, failed_at)
             if not self.settled(room):
                 continue
-            pending = self._take(room, _take_pending)
-            if pending:
+            pending, held = self._take(room, _take_pending) or ([], [])
+            if pending or held:
                 freed.extend(pending)
+                self.given_back.extend(held)
                 self._settle(room)
             self._send_kept_acks(room)
         return freed
+
+    def take_given_back(self) -> list[HeldFree]:
+        """The kept-back frees of rooms that settled (the caller frees them)."""
+        given, self.given_back = self.given_back, []
+        return given
 
     def _attention_now(self) -> list[int]:
         with self._lock:
@@ -298,7 +370,9 @@ class PrefillNode:
         """Tokens kept back from the free list plus those :meth:`stuck_tokens` hides from the allocator's count."""
         records = [self.rooms.get(room) for room in self._attention_now()]
         pending = sum(len(record.pending) for record in records if record is not None)
-        return pending * self.page_size + self.stuck_tokens()
+        held = sum(h.tokens for record in records if record is not None for h in record.held)
+        given = sum(h.tokens for h in self.given_back)
+        return pending * self.page_size + held + given + self.stuck_tokens()
 
     def view(self, part: str) -> dict[int, Any]:
         """``{room: that part of its record}`` for the rooms where it is set (reports and tests)."""
@@ -316,13 +390,16 @@ class PrefillNode:
             "drain_acks_withheld": sum(len(a) for a in acks.values()),
             "ack_targets_kept_past_clear": len(self.view("kept_target")),
             "rooms_with_failed_writes": len(self.view("failed_at")),
+            "frees_kept_back": sum(len(h) for h in self.view("held").values()),
+            "chunks_with_unread_indices": sum(len(u) for u in self.view("unread_sources").values()),
             "cached_tokens_pinned_by_failed_writes": self.stuck_tokens(),
         }
 
 
-def _take_pending(record: SourceRoom) -> list[int]:
-    pending, record.pending = record.pending, []
-    return pending
+def _take_pending(record: SourceRoom) -> tuple[list[int], list[HeldFree]]:
+    pending, held = record.pending, record.held
+    record.pending, record.held = [], []
+    return pending, held
 
 
 def _send_orphan_ack(mgr: Any, room: int, target: Any) -> None:

@@ -15,6 +15,7 @@ from sglang_harden import events
 from sglang_harden.compat import (
     backends,
     commit_chain,
+    commit_gate,
     control_auth,
     hook_timer,
     kv_canary,
@@ -282,12 +283,11 @@ HOOKS: list[Hook] = [
     Hook("retire", PREFILL, "SchedulerDisaggregationPrefillMixin.send_kv_chunk",
          ("self", "req", "last_chunk", "end_idx"), _retire_final_send),
     Hook("coverage", UTILS, "MetadataBuffers.set_buf", ("self", "req"), _publish_coverage),
-    # Decode's commit: one chain whose order is commit_chain's (ledger, coverage, canary, checksum; then page tags),
-    # not this list's.
+    # Decode's commit: one chain whose order is commit_chain's (ledger, coverage), not this list's; the checks that
+    # read device memory wait at the commit gate before it (page tags, canary, checksum).
     commit_chain.hook("coverage", "coverage", _coverage_step),
-    commit_chain.hook("canary", "canary", kv_canary.check_before_commit(_is_fake_transfer, _abort_transferred,
-                                                                      kv_digest.agree_on_group)),
-    commit_chain.hook("checksum", "checksum", kv_digest.verify_before_commit(DIGEST_READER)),
+    *commit_gate.hooks("canary", "canary", kv_canary.CanaryStep()),
+    *commit_gate.hooks("checksum", "checksum", kv_digest.ChecksumStep(DIGEST_READER)),
     Hook("abort_notify", *SETUP_ROUTES, ("self",), abort_routes),
     Hook("checksum", *SETUP_ROUTES, ("self",), digest_routes),
     # Listed after abort_notify's routes, so the token check sits outside and sees every route.

@@ -2,6 +2,10 @@
 and the backport series (bundled into its ``pd_canary`` module): which buffers carry a stamp, writing a marker into
 the fixed slot of each reserved page, finding the slots that still hold it, and the stamps decode keeps per room.
 Decisions come from :mod:`sglang_harden.guards.canary`.
+
+On a GPU nothing here makes the host wait (:mod:`.device`): the slots go up from pinned memory, the stamp and the
+check run on a private high-priority stream (so they do not queue behind the forward in flight), and the check's
+answer comes back as a :class:`~.device.HostCopy` that the caller reads once it landed.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 from sglang_harden.guards.base import Decision
 from sglang_harden.guards.canary import decide_commit, stamp_slots
+from sglang_harden.kernels.device import HostCopy, on_accelerator, side_stream, upload
 from sglang_harden.kernels.digest_spec import MASK64, to_signed64
 
 MAX_ROOMS = 65536
@@ -22,6 +27,7 @@ MAX_ROOMS = 65536
 class Stamp:
     marker: int
     pages: tuple[int, ...]
+    slots: Any = None  # the stamped slots as a tensor on the pool's device (reused by the check)
 
 
 class Stamps:
@@ -62,39 +68,87 @@ def _marker_column(buffer: Any) -> Any:
     return rows[:, :8].view(torch.int64).squeeze(1)
 
 
-def stamp(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int, synchronize: bool = True) -> None:
-    """Write ``marker`` into the fixed slot of each reserved page, in every buffer of ``buffers``.
+def _stream_for(buffer: Any) -> Any:
+    return side_stream(buffer.device) if on_accelerator(buffer) else None
 
-    Call at reservation, before the page indices reach the sender; ``synchronize`` waits for the device.
-    """
+
+def _on(stream: Any) -> Any:
+    """``torch.cuda.stream(stream)`` or, without one, a no-op context."""
+    import contextlib
+
+    if stream is None:
+        return contextlib.nullcontext()
     import torch
 
-    for buffer in buffers:
-        column = _marker_column(buffer)
-        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
-        column.index_fill_(0, idx, to_signed64(marker))
-    if synchronize and buffers and buffers[0].is_cuda:
-        torch.cuda.synchronize(buffers[0].device)
+    return torch.cuda.stream(stream)
+
+
+def slot_tensor(buffers: Sequence[Any], slots: Sequence[int] | Any) -> Any:
+    """``slots`` as an int64 tensor on the buffers' device (uploaded from pinned memory: no blocking copy)."""
+    import numpy as np
+    import torch
+
+    if isinstance(slots, torch.Tensor):
+        return slots
+    return upload(np.asarray(slots, dtype=np.int64), buffers[0], torch.int64)
+
+
+def stamp(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int) -> Any:
+    """Write ``marker`` into the fixed slot of each reserved page, in every buffer of ``buffers``; returns the slots
+    as a device tensor (keep it for :func:`launch_check`).
+
+    Call at reservation, before the page indices reach the sender. On a GPU the stamp runs on the private stream at
+    once; it is not ordered after the forward in flight (waiting for it would let a fast transfer land first and
+    be overwritten by the stamp)."""
+    if not buffers:
+        return None
+    stream = _stream_for(buffers[0])
+    with _on(stream):
+        idx = slot_tensor(buffers, slots)
+        for buffer in buffers:
+            _marker_column(buffer).index_fill_(0, idx, to_signed64(marker))
+    return idx
+
+
+def launch_check(buffers: Sequence[Any], slots: Any, marker: int) -> HostCopy:
+    """Start looking which of ``slots`` still hold ``marker`` in any of ``buffers``; the answer (one byte per slot,
+    1: still stamped) lands in a :class:`HostCopy`. Ordered after the stamp (same stream)."""
+    import torch
+
+    stream = _stream_for(buffers[0]) if buffers else None
+    with _on(stream):
+        idx = slot_tensor(buffers, slots)
+        hit = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
+        for buffer in buffers:
+            hit |= _marker_column(buffer).index_select(0, idx) == to_signed64(marker)
+        return HostCopy.launch([hit.to(torch.uint8)], stream)
+
+
+def stamped_positions(check: HostCopy) -> list[int]:
+    """Positions (into the checked slots) still stamped, once ``check`` landed."""
+    import numpy as np
+
+    return np.flatnonzero(check.numpy()).tolist()
 
 
 def still_stamped(buffers: Sequence[Any], slots: Sequence[int] | Any, marker: int) -> list[int]:
-    """Positions (into ``slots``) whose fixed slot still holds ``marker`` in any of ``buffers``."""
-    import torch
-
-    hit = None
-    for buffer in buffers:
-        column = _marker_column(buffer)
-        idx = torch.as_tensor(slots, dtype=torch.int64).to(buffer.device)
-        same = column.index_select(0, idx) == to_signed64(marker)
-        hit = same if hit is None else hit | same
-    if hit is None:
+    """Positions (into ``slots``) whose fixed slot still holds ``marker`` in any of ``buffers``, waiting for the
+    answer (a host synchronisation on a GPU: tests and tools only; the commit path polls :func:`launch_check`)."""
+    if not buffers:
         return []
-    return torch.nonzero(hit).flatten().tolist()
+    check = launch_check(buffers, slots, marker)
+    check.wait()
+    return stamped_positions(check)
+
+
+def decide_check(rid: str, pages: Sequence[int], check: HostCopy) -> Decision:
+    """The commit decision from a landed check of ``pages``' stamps."""
+    return decide_commit(rid, pages, [pages[i] for i in stamped_positions(check)])
 
 
 def check_stamps(
     rid: str, buffers: Sequence[Any], pages: Sequence[int], page_size: int, marker: int, first_offset: int = 0
 ) -> Decision:
-    """The commit decision from the stamps alone."""
+    """The commit decision from the stamps alone, waiting for the answer (see :func:`still_stamped`)."""
     positions = still_stamped(buffers, stamp_slots(pages, page_size, first_offset), marker & MASK64)
     return decide_commit(rid, pages, [pages[i] for i in positions])

@@ -74,13 +74,26 @@ def row_keys_torch(num_halves: int, n_tokens: int, start_token: int, device: tor
     return mix64_torch((lh[:, None] ^ tokens[None, :]) ^ KEY_SALT)
 
 
+_MULTIPLIERS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def multipliers_torch(words: int, device: torch.device) -> torch.Tensor:
+    """The row multipliers on ``device``, uploaded once per (width, device): the upload blocks."""
+    key = (words, str(device))
+    mult = _MULTIPLIERS.get(key)
+    if mult is None:
+        mult = _MULTIPLIERS[key] = torch.tensor([to_signed64(m) for m in multipliers(words)], dtype=torch.int64,
+                                                device=device)
+    return mult
+
+
 def row_hashes_torch(
     halves: Sequence[torch.Tensor], idx: torch.Tensor, layout: KVLayout, chunk_bytes: int
 ) -> torch.Tensor:
     """``r`` for every (layer_half, token, head): int64 ``[len(halves), n, num_heads]``."""
     heads, words = layout.num_heads, layout.words_per_row
     device = idx.device
-    mult = torch.tensor([to_signed64(m) for m in multipliers(words)], dtype=torch.int64, device=device)
+    mult = multipliers_torch(words, device)
     n = idx.numel()
     out = torch.empty((len(halves), n, heads), dtype=torch.int64, device=device)
     step = max(1, min(n, chunk_bytes // (heads * words * 4)))
@@ -96,6 +109,26 @@ def row_hashes_torch(
     return out
 
 
+def sums_torch(
+    k_buffers: Sequence[torch.Tensor],
+    v_buffers: Sequence[torch.Tensor] | None,
+    idx: torch.Tensor,
+    layout: KVLayout,
+    start_token: int = 0,
+    chunk_bytes: int | None = None,
+) -> torch.Tensor:
+    """Per-head sums ``S_h`` (int64 bit patterns) on the buffers' device, without a host synchronisation;
+    ``idx``: the pool slots, an int64 tensor on that device."""
+    check_layout(layout)
+    halves = layer_halves(k_buffers, v_buffers, layout)
+    device = halves[0].device
+    if chunk_bytes is None:
+        chunk_bytes = CUDA_CHUNK_BYTES if device.type == "cuda" else DEFAULT_CHUNK_BYTES
+    rows = row_hashes_torch(halves, idx, layout, chunk_bytes)
+    keys = row_keys_torch(len(halves), idx.numel(), start_token, device)
+    return mix64_torch(rows + keys[:, :, None]).sum(dim=(0, 1))
+
+
 def digest_torch(
     k_buffers: Sequence[torch.Tensor],
     v_buffers: Sequence[torch.Tensor] | None,
@@ -105,13 +138,6 @@ def digest_torch(
     chunk_bytes: int | None = None,
 ) -> tuple[int, ...]:
     """Per-head digests ``D_h`` (local head order) of the rows at pool ``slots`` (send order)."""
-    check_layout(layout)
-    halves = layer_halves(k_buffers, v_buffers, layout)
-    device = halves[0].device
-    if chunk_bytes is None:
-        chunk_bytes = CUDA_CHUNK_BYTES if device.type == "cuda" else DEFAULT_CHUNK_BYTES
-    idx = torch.as_tensor(slots, dtype=torch.int64).to(device)
-    rows = row_hashes_torch(halves, idx, layout, chunk_bytes)
-    keys = row_keys_torch(len(halves), idx.numel(), start_token, device)
-    sums = mix64_torch(rows + keys[:, :, None]).sum(dim=(0, 1))
+    idx = torch.as_tensor(slots, dtype=torch.int64).to(k_buffers[0].device)
+    sums = sums_torch(k_buffers, v_buffers, idx, layout, start_token, chunk_bytes)
     return finalize([s & MASK64 for s in sums.tolist()], layout, start_token, idx.numel())

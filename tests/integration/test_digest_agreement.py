@@ -72,7 +72,7 @@ def _worker(
     if transport_name == "gloo":
         import torch.distributed as dist
 
-        from sglang_harden.compat.kv_digest import TorchGroupTransport
+        from sglang_harden.compat.digest_pool import TorchGroupTransport
 
         # the rendezvous may take long on a loaded machine; the agreement bound is the wait() timeout
         dist.init_process_group(

@@ -159,6 +159,9 @@ class _Board:
         self.posted.append(shard)
         return True
 
+    def publish_when_ready(self, make: Any) -> None:
+        self.posted.append(make())  # the publisher's thread would make it; here, at once
+
 
 def _reader(sent_range: Any = lambda scheduler, req, end_idx: (0, N_TOKENS)) -> Any:
     return kv_digest.DigestReader(
@@ -198,14 +201,24 @@ def test_prefill_that_cannot_digest_says_why(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _decide_on(monkeypatch: pytest.MonkeyPatch, fetched: Any, decode_pool: Any = None) -> Any:
-    """Decode's decision for a request whose prefill answered ``fetched`` (the HTTP fetch replaced)."""
+    """Decode's decision (the commit gate's checksum step) for a request whose prefill answered ``fetched`` (the
+    side channel replaced)."""
+    import time
+
     from sglang_harden.compat import digest_channel
 
-    monkeypatch.setattr(digest_channel, "fetch_digests", lambda addr, room, wait_s, enough: fetched)
+    monkeypatch.setattr(digest_channel, "receive_digests", lambda feed, addr, room, wait_s, enough: fetched)
     pool = decode_pool if decode_pool is not None else _pool()
     req = SimpleNamespace(rid="d", bootstrap_room=11, origin_input_ids=list(range(N_TOKENS)))
     decode_req = SimpleNamespace(req=req, kv_receiver=SimpleNamespace(bootstrap_addr="127.0.0.1:1"))
-    return kv_digest._compare_with_prefill(_scheduler(pool, DECODE_SLOTS), decode_req, _reader())
+    queue = SimpleNamespace(scheduler=_scheduler(pool, DECODE_SLOTS))
+    step = kv_digest.ChecksumStep(_reader())
+    pending = step.launch(queue, decode_req)
+    deadline = time.monotonic() + 10
+    while (decision := step.decide(queue, decode_req, pending)) is None:
+        assert time.monotonic() < deadline, "the checksum step never decided"
+        time.sleep(0.001)
+    return decision
 
 
 def test_decode_decides_on_what_prefill_published(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -244,7 +257,6 @@ def _canary_commit(pool: Any, room: int, written: list[int], pages: list[int]) -
     import numpy as np
 
     from sglang_harden.compat import kv_canary
-    from sglang_harden.compat.commit_chain import CommitChain
     from sglang_harden.compat.runtime import RUNTIME
 
     RUNTIME.decode_kv_pool = pool
@@ -256,14 +268,12 @@ def _canary_commit(pool: Any, room: int, written: list[int], pages: list[int]) -
         for src, dst in ((source.k_buffer, pool.k_buffer), (source.v_buffer, pool.v_buffer)):
             for s, d in zip(src, dst, strict=True):
                 d[page] = s[page]
-    aborted: list[Any] = []
-    chain = CommitChain()
-    chain.join("canary", kv_canary.check_before_commit(
-        lambda req: False, lambda queue, dreq, decision: aborted.append(decision), lambda queue, d, rid: d))
-    commit = chain.around(lambda self, decode_req: "committed")
-    req = SimpleNamespace(rid=f"canary-{room}", bootstrap_room=room)
-    result = commit(SimpleNamespace(), SimpleNamespace(req=req))
-    return result, aborted, sent
+    step = kv_canary.CanaryStep()
+    decode_req = SimpleNamespace(req=SimpleNamespace(rid=f"canary-{room}", bootstrap_room=room))
+    decision = step.decide(None, decode_req, step.launch(None, decode_req))
+    assert decision is not None, "on the CPU the check lands at once"
+    aborted = [] if decision.allows else [decision]
+    return ("committed" if decision.allows else None), aborted, sent
 
 
 def test_canary_passes_a_fully_written_transfer() -> None:

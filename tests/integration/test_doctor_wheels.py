@@ -131,6 +131,8 @@ OPTIONAL_TARGETS = {
     "lifecycle: sglang.srt.disaggregation.common.conn.CommonKVManager.poison_deferred_ack_room": ("0.5.22", "0.5.23"),
     "lifecycle: sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.sync_status_to_decode_endpoint":
         ("0.5.19",),
+    "lifecycle: sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req": ("0.5.19", "0.5.20", "0.5.21"),
+    "lifecycle: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint": ("0.5.22", "0.5.23"),
 }
 
 

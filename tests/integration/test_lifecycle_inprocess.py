@@ -29,11 +29,10 @@ pytest.importorskip("sglang")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_harden import events  # noqa: E402
-from sglang_harden.compat import activate, lifecycle_v05, page_tags_v05  # noqa: E402
+from sglang_harden.compat import activate, free_path_v05, lifecycle_v05, page_tags_v05  # noqa: E402
 from sglang_harden.compat.backends import common as backends_common  # noqa: E402
 from sglang_harden.compat.backends import mooncake as mooncake_backend  # noqa: E402
 from sglang_harden.compat.backends import nixl as nixl_backend  # noqa: E402
-from sglang_harden.compat.commit_chain import CommitChain  # noqa: E402
 from sglang_harden.compat.lifecycle_nodes import DecodeNode, owner_of_room  # noqa: E402
 from sglang_harden.compat.prefill_node import PrefillNode  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
@@ -215,7 +214,7 @@ def test_usual_free_reads_the_index_tensor_in_place(allocator: Any, monkeypatch:
     transferred, generated = allocator.alloc(12), allocator.alloc(4)
     _publish(Receiver(ROOM_B), transferred)
     node.finish(ROOM_B)
-    monkeypatch.setattr(lifecycle_v05, "_pages_of", _no_numpy_copy)
+    monkeypatch.setattr(free_path_v05, "_pages_of", _no_numpy_copy)
     allocator.free(torch.cat((transferred, generated)))
     assert allocator.available_size() == POOL and not node.transfers
     assert not node.ledger.holds_pages(owner_of_room(ROOM_B))
@@ -315,24 +314,42 @@ def test_page_tags_read_the_live_page_table(allocator: Any) -> None:
     assert page_tags_v05.check_request_pages(node, scheduler, req, transfer).verdict is Verdict.ALLOW
 
 
-def test_commit_wrapper_aborts_instead_of_generating(allocator: Any) -> None:
+def test_commit_gate_fails_a_transfer_whose_page_table_is_misowned(allocator: Any) -> None:
+    """The page-tag step of the commit gate: a page table row with a slot the transfer never wrote fails the
+    transfer (SGLang's failure path then aborts the request on every TP rank) instead of committing it."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_harden.compat.commit_gate import CommitGate
+
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node
     a = allocator.alloc(8)
-    _publish(Receiver(ROOM_B), a)
+    receiver = Receiver(ROOM_B)
+    failures: list[tuple[int, str]] = []
+    receiver.kv_mgr = SimpleNamespace(record_failure=lambda room, reason: failures.append((room, reason)))
+    _publish(receiver, a)
     rows = a.tolist()
     rows[2] = int(allocator.alloc(1)[0])  # a row the transfer never wrote
     req = SimpleNamespace(rid="req-c", origin_input_ids=list(range(8)), req_pool_idx=1, kv=None,
-                          prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B)
-    queue = SimpleNamespace(scheduler=_scheduler_with_table(rows))
-    committed: list[str] = []
-    chain = CommitChain()
-    chain.join("ledger", lifecycle_v05._finish_transfer)
-    chain.join("page_tags", page_tags_v05._check_after_commit)
-    chain.around(lambda self, decode_req: committed.append(decode_req.req.rid))(queue, SimpleNamespace(req=req))
-    assert committed == ["req-c"]
-    assert type(req.finished_reason).__name__ == "FINISH_ABORT"
-    assert "page ownership" in req.finished_reason.message
+                          prefix_indices=None, finished_reason=None, return_logprob=False, bootstrap_room=ROOM_B,
+                          bootstrap_host="127.0.0.1")
+    decode_req = SimpleNamespace(req=req, kv_receiver=receiver)
+    queue = SimpleNamespace(scheduler=_scheduler_with_table(rows), queue=[decode_req])
+    gate = CommitGate()
+    gate.join("page_tags", page_tags_v05.PageTagStep(), "page_tags")
+    gate.see_queue(queue)
+    assert gate.gate(receiver, KVPoll.Success) == KVPoll.Failed
+    assert failures and failures[0][0] == ROOM_B and "page_tags" in failures[0][1]
+    rows[2] = int(a[2])
+    queue.scheduler = _scheduler_with_table(rows)
+    node.ledger.release_bulk(owner_of_room(ROOM_B), np.array(a.tolist()), writer_drained=True)
+    receiver2 = Receiver(ROOM_A)
+    receiver2.kv_mgr = receiver.kv_mgr
+    _publish(receiver2, a)
+    req.bootstrap_room = ROOM_A
+    decode_req.kv_receiver = receiver2
+    gate.see_queue(queue)
+    assert gate.gate(receiver2, KVPoll.Success) == KVPoll.Success, "a clean page table passes"
 
 
 def test_prefill_holds_source_pages_until_settled(sglang_modules: dict[str, Any]) -> None:
@@ -348,7 +365,7 @@ def test_prefill_holds_source_pages_until_settled(sglang_modules: dict[str, Any]
         alloc.free(src)  # request aborted on prefill while a chunk of its transfer is being written
         assert alloc.available_size() == POOL - 10, "source pages held while the chunk is in flight"
         mgr._staging_outstanding[ROOM_A] = 0
-        lifecycle_v05._free_now(node, node.settle_pending())
+        free_path_v05.free_loose_pages(node, node.settle_pending())
         assert alloc.available_size() == POOL
         assert not node.view("pending")
     finally:
@@ -488,12 +505,15 @@ def test_optional_hooks_follow_the_release(sglang_modules: dict[str, Any]) -> No
     import importlib
 
     from sglang_harden.compat import sglang_v05
-    from sglang_harden.compat.hooks import is_in_place, missing, probed_absent
+    from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, is_in_place, missing, probed_absent
 
     assert {h.qualname for h in sglang_v05.OPTIONAL_HOOKS} == {
         "CommonKVManager.poison_deferred_ack_room", "MooncakeKVManager.sync_status_to_decode_endpoint",
-        "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result"}
+        "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result", "RadixCache.cache_unfinished_req",
+        "RadixCache.checkpoint"}
     for hook in sglang_v05.OPTIONAL_HOOKS:
+        if hook.owner == PAGE_LEDGER_OWNER:  # the page-tag guard's copies, armed only with the lifecycle guard off
+            continue
         module = importlib.import_module(hook.module)
         owner, name = hook.qualname.split(".")
         present = hasattr(getattr(module, owner), name)
@@ -744,7 +764,7 @@ def test_prefill_holds_every_chunk_in_its_own_copy(sglang_modules: dict[str, Any
         assert alloc.available_size() == POOL - 11, "both chunks' sources held"
         assert np.count_nonzero(node.held_room) == 11
         mgr.request_status[ROOM_A] = KVPoll.Success
-        lifecycle_v05._free_now(node, node.settle_pending())
+        free_path_v05.free_loose_pages(node, node.settle_pending())
         assert alloc.available_size() == POOL and np.count_nonzero(node.held_room) == 0
         assert not node.view("sources") and not node.view("pending")
     finally:
@@ -781,7 +801,7 @@ def test_prefill_free_lets_go_of_settled_sources_only(sglang_modules: dict[str, 
         alloc.free(torch.cat((d, unheld)))
         assert alloc.available_size() == POOL - 6 and np.count_nonzero(node.held_room) == 6
         mgr.request_status[room_b] = mgr.request_status[room_d] = KVPoll.Success
-        lifecycle_v05._free_now(node, node.settle_pending())
+        free_path_v05.free_loose_pages(node, node.settle_pending())
         assert alloc.available_size() == POOL and np.count_nonzero(node.held_room) == 0
     finally:
         lifecycle_v05.NODE = None

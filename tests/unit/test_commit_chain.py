@@ -1,7 +1,8 @@
 """Decode's commit chain: the guards' steps run in the chain's order whatever order their hooks were installed in,
 the first refusal ends it, each step works with any set of others joined, and installing it through the hook
 machinery leaves one wrapper with every owner marked in place (SGLang's commit is a stand-in class here; the real
-chain runs in the in-process and e2e tests)."""
+chain runs in the in-process and e2e tests). The checks that read device memory sit at the commit gate
+(tests/unit/test_commit_gate.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from typing import Any
 import pytest
 
 from sglang_harden.compat import commit_chain, hook_timer, hooks
-from sglang_harden.compat.commit_chain import AFTER_COMMIT, BEFORE_COMMIT, CommitChain
+from sglang_harden.compat.commit_chain import BEFORE_COMMIT, CommitChain
 
-ALL = BEFORE_COMMIT + AFTER_COMMIT
+ALL = BEFORE_COMMIT
 
 
 def _recording(name: str, calls: list[str], refuse: bool = False) -> commit_chain.Step:
@@ -42,7 +43,7 @@ def test_steps_run_in_the_chain_order_whatever_order_they_joined(order: tuple[st
     for name in order:
         chain.join(name, _recording(name, calls))
     assert chain.around(_commit(calls))(None, None) == "committed"
-    assert calls == [*BEFORE_COMMIT, "commit", *AFTER_COMMIT]
+    assert calls == [*BEFORE_COMMIT, "commit"]
 
 
 @pytest.mark.parametrize("refusing", BEFORE_COMMIT)
@@ -62,14 +63,14 @@ def test_each_step_runs_with_any_other_steps_joined(subset: tuple[str, ...]) -> 
     for name in subset:
         chain.join(name, _recording(name, calls))
     chain.around(_commit(calls))(None, None)
-    assert calls == [n for n in BEFORE_COMMIT if n in subset] + ["commit"] + [n for n in AFTER_COMMIT if n in subset]
+    assert calls == [n for n in BEFORE_COMMIT if n in subset] + ["commit"]
 
 
 def test_steps_share_one_context_per_commit() -> None:
     chain = CommitChain()
     contexts: list[dict[str, Any]] = []
     chain.join("ledger", lambda q, d, ctx: bool(ctx.update(transfer=d)))
-    chain.join("page_tags", lambda q, d, ctx: bool(contexts.append(ctx)))
+    chain.join("coverage", lambda q, d, ctx: bool(contexts.append(ctx)))
     commit = chain.around(lambda q, d: None)
     commit(None, "first")
     commit(None, "second")
@@ -99,7 +100,7 @@ def test_hooks_joining_one_chain_install_one_wrapper_with_every_owner_in_place(m
     monkeypatch.delenv(hook_timer.ENV, raising=False)
     module = _queue_module()
     chain = CommitChain()
-    owners = [("page_tags", "page_tags"), ("coverage", "coverage"), ("lifecycle", "ledger")]
+    owners = [("coverage", "coverage"), ("lifecycle", "ledger")]
     installed = []
     for owner, name in owners:
         hook = hooks.Hook(owner, module.__name__, "Queue.commit", ("self", "decode_req"),
@@ -109,7 +110,7 @@ def test_hooks_joining_one_chain_install_one_wrapper_with_every_owner_in_place(m
     monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
     assert all(hooks.is_in_place(h) for h in installed)
     assert module.Queue().commit(None) == "committed"
-    assert module.calls == ["ledger", "coverage", "commit", "page_tags"]
+    assert module.calls == ["ledger", "coverage", "commit"]
     assert inspect.unwrap(module.Queue.commit).__name__ == "commit"  # one layer, no cycle
 
 

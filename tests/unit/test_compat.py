@@ -286,6 +286,9 @@ def test_page_tags_keeps_its_own_ledger_with_lifecycle_off(monkeypatch: pytest.M
     ledger_hooks = [h for h in sglang_v05.HOOKS if h.owner == PAGE_LEDGER_OWNER]
     assert {h.qualname for h in ledger_hooks} == {
         "Scheduler.__init__", "TokenToKVPoolAllocator.free", "PagedTokenToKVPoolAllocator._release_page_ids",
+        "release_kv_cache", "RadixCache.evict", "RadixCache.cache_unfinished_req", "RadixCache.checkpoint",
+        "BaseTokenToKVPoolAllocator.free_group_begin", "BaseTokenToKVPoolAllocator.free_group_end",
+        "PagedTokenToKVPoolAllocator.free_group_end",
         "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata", "MoriKVReceiver.send_metadata",
         "DecodeTransferQueue._commit_transfer_to_req"}
     assert sglang_v05.ROLES_BY_OWNER[PAGE_LEDGER_OWNER] == {"decode"}
