@@ -161,9 +161,12 @@ def _is_fake_transfer(req: Any) -> bool:
     return bool(is_fake(req))
 
 
+CHECK_NAMES = {"page_tags": "page ownership check", "canary": "canary check", "checksum": "KV checksum check"}
+
+
 def _fail_transfer(receiver: Any, room: int, guard: str, decision: Decision) -> None:
     """The room's transfer fails with the guard's reason (SGLang reports it when it aborts the request)."""
-    receiver.kv_mgr.record_failure(room, f"sglang-harden {guard} refused the transfer: {decision.reason}")
+    receiver.kv_mgr.record_failure(room, f"sglang-harden {CHECK_NAMES.get(guard, guard)} failed: {decision.reason}")
 
 
 # ---------------------------------------------------------------- hooks

@@ -339,7 +339,7 @@ def test_commit_gate_fails_a_transfer_whose_page_table_is_misowned(allocator: An
     gate.join("page_tags", page_tags_v05.PageTagStep(), "page_tags")
     gate.see_queue(queue)
     assert gate.gate(receiver, KVPoll.Success) == KVPoll.Failed
-    assert failures and failures[0][0] == ROOM_B and "page_tags" in failures[0][1]
+    assert failures and failures[0][0] == ROOM_B and "page ownership check failed" in failures[0][1]
     rows[2] = int(a[2])
     queue.scheduler = _scheduler_with_table(rows)
     node.ledger.release_bulk(owner_of_room(ROOM_B), np.array(a.tolist()), writer_drained=True)

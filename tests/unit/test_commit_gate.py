@@ -80,7 +80,7 @@ def test_an_enforced_refusal_fails_the_transfer_with_the_reason(monkeypatch: pyt
     queue, receivers = _queue(9)
     gate.see_queue(queue)
     assert gate.gate(receivers[9], SUCCESS) == FAILED
-    assert receivers[9].failures and "sglang-harden canary refused the transfer" in receivers[9].failures[0]
+    assert receivers[9].failures and "sglang-harden canary check failed" in receivers[9].failures[0]
     assert later.decided == 0, "the first refusal ends the gate"
     monkeypatch.setattr(RUNTIME, "config", RUNTIME.config.__class__(canary=Mode.LOG))
     logged = CommitGate()

@@ -18,8 +18,13 @@ Kinds:
 
 Vanilla decode generates over the result without noticing; the checksum and canary guards must abort the first
 two, the page-tag guard the third.
-Wraps ``DecodeTransferQueue._commit_transfer_to_req`` (0.4.x, which commits inline: ``pop_transferred``) and the
-Mooncake/NIXL managers' ``send_kvcache`` (outside sglang-harden's own wrappers, keeping their marks).
+
+"Right before decode commits" is the moment decode first learns that the transfer finished: at the start of the
+transfer queue's ``pop_transferred`` pass in which the room's status (the manager's own ``check_status``, read
+without polling through anyone's wrapper) is ``Success``. A fault room whose status is not yet ``Success`` answers
+that status for the whole pass, so nobody (SGLang's commit, sglang-harden's commit gate) can see the transfer
+finished before the fault is in place. Wraps ``DecodeTransferQueue.pop_transferred`` and the Mooncake/NIXL managers'
+``send_kvcache`` (outside sglang-harden's own wrappers, keeping their marks).
 """
 
 from __future__ import annotations
@@ -110,34 +115,37 @@ def _fault_before_commit(queue: Any, req: Any) -> None:
         _repoint_one_page(queue, req)
 
 
-def _wrap_commit(original: Any) -> Any:
-    @functools.wraps(original)
-    def commit(self: Any, decode_req: Any) -> Any:
-        _fault_before_commit(self, decode_req.req)
-        return original(self, decode_req)
+_FAULTED: set[int] = set()  # rooms faulted already (each once)
 
-    return commit
+
+def _raw_status(receiver: Any) -> Any:
+    """The room's transfer status as the manager holds it (0.5.x), past every wrapper of the receiver's poll;
+    0.4.x receivers have no such read: their poll is asked."""
+    check = getattr(getattr(receiver, "kv_mgr", None), "check_status", None)
+    return check(receiver.bootstrap_room) if check is not None else receiver.poll()
 
 
 def _wrap_pop_transferred(original: Any) -> Any:
-    """0.4.x commits inline in ``pop_transferred``. A fault room's receiver is polled once before the call and
-    answers that for the whole call, so the call commits exactly the transfer that was faulted (or none)."""
+    """A fault room's status is read once before the pass; it answers that for the whole pass, and when it is
+    ``Success`` the fault is made first, so the pass (and the commit 0.4.x makes inside it) sees the faulted KV."""
     from sglang.srt.disaggregation.base import KVPoll
 
     @functools.wraps(original)
     def pop_transferred(self: Any, *args: Any, **kwargs: Any) -> Any:
-        rooms = _flip_rooms(self) | faults("table")
+        rooms = (_flip_rooms(self) | faults("table")) - _FAULTED
         held = []
         for decode_req in list(self.queue):
             room = getattr(decode_req.req, "bootstrap_room", None)
             if room is None or int(room) not in rooms:
                 continue
             receiver = decode_req.kv_receiver
-            answer = receiver.poll()
-            receiver.poll = lambda answer=answer: answer  # an instance attribute: shadows the method
-            held.append(receiver)
+            answer = _raw_status(receiver)
             if int(answer) == int(KVPoll.Success):
                 _fault_before_commit(self, decode_req.req)
+                _FAULTED.add(int(room))
+                continue
+            receiver.poll = lambda answer=answer: answer  # an instance attribute: shadows the method
+            held.append(receiver)
         try:
             return original(self, *args, **kwargs)
         finally:
@@ -161,11 +169,7 @@ def _wrap_send_kvcache(original: Any) -> Any:
 
 
 def _patch_decode(module: ModuleType) -> None:
-    queue = module.DecodeTransferQueue
-    if hasattr(queue, "_commit_transfer_to_req"):
-        wrap_methods_once(queue, "_sglang_harden_kvfault", {"_commit_transfer_to_req": _wrap_commit})
-    else:  # 0.4.x
-        wrap_methods_once(queue, "_sglang_harden_kvfault", {"pop_transferred": _wrap_pop_transferred})
+    wrap_methods_once(module.DecodeTransferQueue, "_sglang_harden_kvfault", {"pop_transferred": _wrap_pop_transferred})
 
 
 def _patch_manager(class_name: str) -> Any:
