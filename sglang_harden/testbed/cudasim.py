@@ -21,7 +21,12 @@ runs SGLang's asynchronous GPU paths on CPU and makes both visible:
   waits for the stream the copy was issued on (``cudasim_streams``); a read before that is a "poisoned read", on any
   thread (the moded one through the mode, others through ``numpy``/``tolist``/``item``).
 - ``torch.cuda.Event``, ``Stream``, ``current_stream``, ``default_stream``, ``stream``, ``synchronize`` are the
-  simulator's (process-wide); ``torch.cuda.is_available()`` stays False so SGLang keeps its CPU paths.
+  simulator's (process-wide); ``torch.cuda.is_available()`` stays False so SGLang keeps its CPU paths. Where the
+  mode runs (the scheduler process) so are ``torch.cpu.Event``, ``Stream``, ``current_stream``, ``stream`` and
+  ``synchronize``: SGLang reaches the device's streams through ``torch.get_device_module(device)``, which is
+  ``torch.cpu`` for the simulated device; left alone, 0.5.19's overlap scheduler recorded its ``copy_done`` event on
+  ``torch.cpu`` (a no-op), the simulator never landed the copy of the sampled tokens that the event guards, and
+  decode read poison (every token after the first was 0).
 
 API: ``install_process()`` (every process), ``install_mode(device)`` (the scheduler thread; returns the
 ``SimDevice``), ``session()`` (in-process tests: both, on the current thread, undone on exit), ``report()`` (the
@@ -92,6 +97,7 @@ def _uninstall_wait_patches() -> None:
 def install_mode(device: str = "cpu") -> SimDevice:
     """Push the simulator's mode on the calling thread (for good) and return the simulated device."""
     install_process()
+    streams.install_device_module()
     sim = SimDevice(device)
     SimMode(sim).__enter__()
     core.MODED_THREADS.add(threading.get_ident())
@@ -103,6 +109,7 @@ def install_mode(device: str = "cpu") -> SimDevice:
 def session(device: str = "cpu", reset_counts: bool = True) -> Iterator[SimDevice]:
     """In-process tests: everything installed, the mode on the current thread; undone on exit (queued copies land)."""
     installed_here = install_process()
+    streams.install_device_module()
     if reset_counts:
         reset()
     sim = SimDevice(device)
@@ -116,6 +123,7 @@ def session(device: str = "cpu", reset_counts: bool = True) -> Iterator[SimDevic
         core.MODED_THREADS.discard(ident)
         if not core.MODED_THREADS:
             _uninstall_wait_patches()
+            streams.uninstall_device_module()
         if installed_here:
             streams.uninstall_process()
         else:

@@ -16,8 +16,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,14 +173,25 @@ def default_stream(device: object = None) -> SimStream:
     return DEFAULT_STREAM
 
 
-@contextmanager
-def stream(s: object) -> Iterator[None]:
-    """``torch.cuda.stream(s)``: ``s`` is this thread's current stream inside (None or a foreign stream: no-op)."""
-    if not isinstance(s, SimStream):
-        yield
-        return
-    with s:
-        yield
+class SimStreamContext:
+    """``torch.cuda.stream(s)``: ``s`` is this thread's current stream inside (None or a foreign stream: no-op).
+    Reusable, like torch's ``StreamContext`` (SGLang makes one per scheduler and enters it for every batch)."""
+
+    def __init__(self, s: object) -> None:
+        self.stream = s if isinstance(s, SimStream) else None
+
+    def __enter__(self) -> SimStream | None:
+        if self.stream is not None:
+            self.stream.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stream is not None:
+            self.stream.__exit__()
+
+
+def stream(s: object) -> SimStreamContext:
+    return SimStreamContext(s)
 
 
 def synchronize(device: object = None) -> None:
@@ -256,6 +266,9 @@ def enqueue_d2h(dst: Any, snapshot: Any) -> None:
 # ------------------------------------------------------------------------------------- process-wide patches
 
 CUDA_NAMES = ("Event", "Stream", "current_stream", "default_stream", "stream", "synchronize")
+# SGLang reaches the device's streams through ``torch.get_device_module(device)``, which is ``torch.cpu`` for the
+# simulated device (its type is "cpu"): these are the simulator's too where the mode runs (the scheduler process).
+DEVICE_MODULE_NAMES = ("Event", "Stream", "current_stream", "stream", "synchronize")
 _REPLACEMENTS: dict[str, object] = {"Event": SimEvent, "Stream": SimStream, "current_stream": current_stream,
                                     "default_stream": default_stream, "stream": stream, "synchronize": synchronize}
 PINNING_FACTORIES = ("empty", "zeros", "ones", "full", "empty_strided", "tensor", "arange", "rand", "randn",
@@ -319,6 +332,27 @@ def install_process() -> bool:
         for name in READ_CHECKED_METHODS:
             _patch(torch.Tensor, name, _read_checked(getattr(torch._C.TensorBase, name), name))
         return True
+
+
+_device_module_saved: list[tuple[object, str, object]] = []
+
+
+def install_device_module(module: Any = None) -> None:
+    """The simulated device's module (``torch.cpu``): its streams and events are the simulator's (once)."""
+    module = module if module is not None else torch.cpu
+    with LOCK:
+        if _device_module_saved:
+            return
+        for name in DEVICE_MODULE_NAMES:
+            _device_module_saved.append((module, name, getattr(module, name)))
+            setattr(module, name, _REPLACEMENTS[name])
+
+
+def uninstall_device_module() -> None:
+    with LOCK:
+        while _device_module_saved:
+            owner, name, original = _device_module_saved.pop()
+            setattr(owner, name, original)
 
 
 def uninstall_process() -> None:

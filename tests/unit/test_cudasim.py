@@ -319,3 +319,31 @@ def test_report_shape_and_session_restores_torch_cuda() -> None:
         assert report["sites"][0][:2] == ["other", "tolist"]
     assert torch.cuda.Event is before
     assert not torch.cuda.is_available()
+
+
+def test_the_device_module_of_the_simulated_device_has_the_simulated_streams() -> None:
+    """SGLang reaches streams through ``torch.get_device_module(device)`` (torch.cpu here): 0.5.19's overlap copy
+    of the sampled tokens (``to("cpu", non_blocking=True)``, then a ``copy_done`` event it waits on) must land."""
+    with cudasim.session() as dev:
+        module = torch.get_device_module(dev)
+        assert module.Event is cudasim.SimEvent and module.Stream is cudasim.SimStream
+        tokens = torch.tensor([11, 12], device=dev).to("cpu", non_blocking=True)
+        copy_done = module.Event()
+        copy_done.record()
+        with module.stream(module.Stream(priority=0)):
+            assert module.current_stream() is not torch.cuda.default_stream()
+        copy_done.synchronize()
+        assert tokens.tolist() == [11, 12] and poisoned() == {}
+    assert torch.cpu.Event is not cudasim.SimEvent
+
+
+def test_a_stream_context_can_be_entered_again() -> None:
+    with cudasim.session():
+        side = torch.cuda.Stream()
+        context = torch.cuda.stream(side)  # SGLang keeps one and enters it for every batch
+        for _ in range(2):
+            with context:
+                assert torch.cuda.current_stream() is side
+            assert torch.cuda.current_stream() is torch.cuda.default_stream()
+        with torch.cuda.stream(None):
+            assert torch.cuda.current_stream() is torch.cuda.default_stream()

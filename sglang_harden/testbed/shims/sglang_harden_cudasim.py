@@ -4,13 +4,13 @@ Every process: ``torch.cuda.{Event,Stream,current_stream,default_stream,stream,s
 asynchronous device->host copies (``sglang_harden.testbed.cudasim``), installed when torch is imported.
 
 Scheduler process: ``Scheduler.__init__`` is wrapped so that before it runs the scheduler thread gets the
-simulator's torch-function mode, and the device SGLang places its tensors on becomes a ``SimDevice("cpu")``:
+simulator's torch-function mode and ``torch.cpu``'s streams and events (the simulated device's module) become the
+simulator's, and the device SGLang places its tensors on becomes a ``SimDevice("cpu")``:
 ``server_args.device`` or, on pins that publish their configuration (0.5.19+, ``sglang.srt.runtime_context``),
 the published ``device`` leaf that the model runner reads (``get_device().device``; see ``simulate_device``).
-The method each loop pass calls to take in requests (``ingest_requests`` on 0.5.23, ``recv_requests`` before)
-counts passes; ``Scheduler.get_internal_state`` adds ``testbed_cudasim`` (``cudasim.report()``) to each
-``internal_states[i]`` of ``/server_info`` (``/get_server_info`` on old pins), as ``sglang_harden_poolreport``
-adds ``testbed_pool``.
+``Scheduler.process_input_requests`` (called once per pass of every event loop) counts loop passes;
+``Scheduler.get_internal_state`` adds ``testbed_cudasim`` (``cudasim.report()``) to each ``internal_states[i]`` of
+``/server_info`` (``/get_server_info`` on old pins), as ``sglang_harden_poolreport`` adds ``testbed_pool``.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def _wrap_init(original: Any) -> Any:
     return __init__
 
 
-# What each pass of the scheduler loop calls once to take in requests (0.5.23: ingest_requests; before: recv_requests)
-PASS_METHODS = ("ingest_requests", "recv_requests")
+# What each pass of the scheduler loop calls once with the requests it took in (every supported pin)
+PASS_METHODS = ("process_input_requests", "recv_requests")
 
 
 def _wrap_pass(original: Any) -> Any:
