@@ -347,3 +347,16 @@ def test_a_stream_context_can_be_entered_again() -> None:
             assert torch.cuda.current_stream() is torch.cuda.default_stream()
         with torch.cuda.stream(None):
             assert torch.cuda.current_stream() is torch.cuda.default_stream()
+
+
+def test_is_cuda_answers_true_only_to_the_owners_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    probe = "def probe(t):\n    return t.is_cuda\n"
+    monkeypatch.setenv("SGLANG_HARDEN_TESTBED_CUDASIM_CUDA_FOR", "sglang_harden")
+    with cudasim.session() as dev:
+        a = torch.zeros(1, device=dev)
+        assert run_as(HARDEN_FILE, probe)["probe"](a) is True
+        assert run_as(SGLANG_FILE, probe)["probe"](a) is False
+        assert run_as(HARDEN_FILE, probe)["probe"](torch.zeros(1)) is False
+    monkeypatch.delenv("SGLANG_HARDEN_TESTBED_CUDASIM_CUDA_FOR")
+    with cudasim.session() as dev:
+        assert run_as(HARDEN_FILE, probe)["probe"](torch.zeros(1, device=dev)) is False
