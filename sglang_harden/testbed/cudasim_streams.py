@@ -251,14 +251,15 @@ class SimEvent:
 
 def enqueue_d2h(dst: Any, snapshot: Any) -> None:
     """``dst`` (pinned host memory) receives ``snapshot`` when the host next waits for the current stream; until
-    then it holds the poison value."""
+    then it holds the poison value. Counted per (owner, site); a copy of no bytes (nothing to read early) is
+    counted at its site + " [empty]"."""
     key, start, end = span(dst)
     with torch._C.DisableTorchFunction():
         dst.fill_(poison_value(dst.dtype))
     s = current_stream()
-    where = caller() or ("other", "?")
+    owner, site = caller() or ("other", "?")
     with LOCK:
-        STATS.async_copies[where] += 1
+        STATS.async_copies[(owner, site if end > start else site + " [empty]")] += 1
         PENDING.setdefault(key, []).append((start, end))
         s._enqueue(_Copy(_next_seq(), dst, snapshot, key, (start, end)))
 

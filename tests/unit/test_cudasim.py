@@ -317,6 +317,11 @@ def test_report_shape_and_session_restores_torch_cuda() -> None:
                                "marked_tensors_seen", "passes", "pending_copies"}
         assert report["passes"] == 1 and report["marked_tensors_seen"] >= 1
         assert report["sites"][0][:2] == ["other", "tolist"]
+        in_flight(dev)
+        empty = torch.empty(0, dtype=torch.int32, pin_memory=True)
+        empty.copy_(torch.empty(0, dtype=torch.int32, device=dev), non_blocking=True)
+        copies = {site.rsplit(":", 1)[-1]: n for _owner, site, n in cudasim.report()["async_copies"]}
+        assert copies == {"in_flight": 1, "test_report_shape_and_session_restores_torch_cuda [empty]": 1}
     assert torch.cuda.Event is before
     assert not torch.cuda.is_available()
 
