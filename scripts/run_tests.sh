@@ -41,7 +41,7 @@ done
 # the torch tests wait mostly on their own subprocesses and gloo timeouts (about a quarter of a core)
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
-  tests/unit/test_events_prometheus.py \
+  tests/unit/test_events_prometheus.py tests/unit/test_cudasim.py \
   tests/unit/test_canary.py tests/unit/test_patched_canary.py tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py > "$logs/torch tests.log" 2>&1 &
 pids+=("$!")
 failed=0

@@ -224,54 +224,15 @@ def host_ip_04x() -> None:
         when_imported(f"sglang.srt.disaggregation.{mod}", _patch_local_ip)
 
 
-def _no_host_tensor_indices(module: ModuleType) -> None:
-    sender = getattr(module, "MooncakeKVSender", None)
-    if sender is not None and hasattr(sender, "supports_host_tensor_indices"):
-        sender.supports_host_tensor_indices = False
-
-
-class CpuEvent:
-    """Stands in for ``torch.cuda.Event`` on a CPU-only torch: CPU kernels run to completion before the call that
-    launched them returns, so an event is complete as soon as it is recorded."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def record(self, stream: object = None) -> None:
-        pass
-
-    def wait(self, stream: object = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end_event: object) -> float:
-        return 0.0
-
-
-def _cpu_cuda_events(_module: ModuleType) -> None:
-    import torch
-
-    if not torch.cuda.is_available() and not getattr(torch.cuda.Event, "_sglang_harden_shim", False):
-        CpuEvent._sglang_harden_shim = True  # type: ignore[attr-defined]
-        torch.cuda.Event = CpuEvent  # type: ignore[assignment,misc]
-
-
 @shim
-def cpu_cuda_events() -> None:
-    """Early send of a cached prefix (0.5.19+, on by default) records a ``torch.cuda.Event`` under the overlap
-    scheduler; a CPU-only torch cannot make one (``CpuEvent`` stands in)."""
-    when_imported("sglang.srt.disaggregation.prefill", _cpu_cuda_events)
+def cuda_sim() -> None:
+    """The CUDA simulator (``sglang_harden.testbed.cudasim``): ``torch.cuda`` streams and events, pinned memory and
+    asynchronous device->host copies in every process, device marks and sync counts on the scheduler thread. SGLang's
+    asynchronous GPU paths run as on a GPU (0.5.21+: page indices copied into pinned memory with an event the transfer
+    worker waits on; early send's event) and a read before the wait shows (``sglang_harden_cudasim``)."""
+    import sglang_harden_cudasim
 
-
-@shim
-def pd_cpu_0521() -> None:
-    """0.5.2x: host tensor indices use ``pin_memory=True`` (needs CUDA)."""
-    when_imported("sglang.srt.disaggregation.mooncake.conn", _no_host_tensor_indices)
+    sglang_harden_cudasim.install()
 
 
 # ------------------------------------------------------------------------------------------------ nixl
