@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 
 from sglang_harden.compat.hooks import Hook
-from sglang_harden.compat.internals import ALLOC_BASE, ALLOC_PAGED, MEM_COMMON, PAGED_RELEASE, RADIX, TOKEN_FREE
+from sglang_harden.compat.internals import (
+    ALLOC_BASE,
+    ALLOC_PAGED,
+    MEM_COMMON,
+    PAGED_RELEASE,
+    RADIX,
+    TOKEN_FREE,
+    UNIFIED_RADIX,
+)
 from sglang_harden.compat.lifecycle_nodes import DecodeNode, HeldFree
 from sglang_harden.compat.prefill_node import PrefillNode
 from sglang_harden.compat.runtime import RUNTIME
@@ -172,7 +180,7 @@ def route(node: DecodeNode | PrefillNode) -> str:
             return PASS
         return READ if node.any_in_flight() else PASS
     if context.kind == EVICT:
-        return READ if node.pins_released_pages() else PASS
+        return READ if node.released_pages_pinned() else PASS
     return READ if node.busy() or node.rooms else PASS
 
 
@@ -285,18 +293,27 @@ def _paged_release(original: Func) -> Func:
     return release_page_ids
 
 
+def _tree_cache_hooks(module: str, cls: str) -> list[Hook]:
+    """A radix tree cache's evictions, and its caching of an unfinished request (chunked prefill), which frees the
+    pages its insert found cached already: cache_unfinished_req up to 0.5.21, checkpoint from 0.5.22."""
+    return [
+        Hook("lifecycle", module, f"{cls}.evict", ("self",), _evict_context),
+        Hook("lifecycle", module, f"{cls}.cache_unfinished_req", ("self", "req"), _request_context, optional=True),
+        Hook("lifecycle", module, f"{cls}.checkpoint", ("self", "req"), _request_context, optional=True),
+    ]
+
+
 HOOKS: list[Hook] = [
     Hook("lifecycle", *TOKEN_FREE, ("self", "free_index"), _token_free),
     Hook("lifecycle", *PAGED_RELEASE, ("self",), _paged_release),
     Hook("lifecycle", MEM_COMMON, "release_kv_cache", ("req", "tree_cache"), _release_context),
-    Hook("lifecycle", RADIX, "RadixCache.evict", ("self",), _evict_context),
     Hook("lifecycle", ALLOC_BASE, "BaseTokenToKVPoolAllocator.free_group_begin", ("self",), _group_begin),
     Hook("lifecycle", ALLOC_BASE, "BaseTokenToKVPoolAllocator.free_group_end", ("self",), _group_end),
     Hook("lifecycle", ALLOC_PAGED, "PagedTokenToKVPoolAllocator.free_group_end", ("self",), _group_end),
-    # Caching an unfinished request (chunked prefill) frees the pages its insert found cached already: 0.5.19 names
-    # it cache_unfinished_req, later releases checkpoint.
-    Hook("lifecycle", RADIX, "RadixCache.cache_unfinished_req", ("self", "req"), _request_context, optional=True),
-    Hook("lifecycle", RADIX, "RadixCache.checkpoint", ("self", "req"), _request_context, optional=True),
+    *_tree_cache_hooks(RADIX, "RadixCache"),
+    *_tree_cache_hooks(UNIFIED_RADIX, "UnifiedRadixCache"),
+    # the unified cache evicts for an allocation without going through its evict
+    Hook("lifecycle", UNIFIED_RADIX, "UnifiedRadixCache.evict_for_alloc", ("self",), _evict_context),
 ]
 
 # decode's page ledger for the page-tag guard (lifecycle off) needs the same free path

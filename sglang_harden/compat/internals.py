@@ -30,6 +30,7 @@ ALLOC_ONE_MODULE = f"{SRT}.mem_cache.allocator"  # both allocators, before the 0
 ALLOC_BASE = f"{SRT}.mem_cache.allocator.base"
 MEM_COMMON = f"{SRT}.mem_cache.common"
 RADIX = f"{SRT}.mem_cache.radix_cache"
+UNIFIED_RADIX = f"{SRT}.mem_cache.unified_radix_cache"  # the default tree cache of 0.5.19+
 ENVIRON = f"{SRT}.environ"
 SERVER_ARGS = f"{SRT}.server_args"
 ARG_GROUPS = f"{SRT}.arg_groups"

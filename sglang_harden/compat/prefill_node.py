@@ -353,6 +353,11 @@ class PrefillNode:
         return [room for room, chunks in list(outstanding.items())
                 if chunks > 0 and mgr.request_status.get(room) == failed]
 
+    def released_pages_pinned(self) -> bool:
+        """Whether some room SGLang already let go of still pins source pages (then a page the tree cache evicts
+        may be one a transfer still reads)."""
+        return self.pins_released_pages() and bool(self._rooms_pinning_released_pages())
+
     def pins_released_pages(self) -> bool:
         """Cheap test before :meth:`stuck_tokens` (asked on every admission check)."""
         return bool(self.attention) or bool(getattr(self.kv_mgr, "_staging_outstanding", None))

@@ -78,12 +78,13 @@ _MULTIPLIERS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def multipliers_torch(words: int, device: torch.device) -> torch.Tensor:
-    """The row multipliers on ``device``, uploaded once per (width, device): the upload blocks."""
+    """The row multipliers on ``device``, uploaded once per (width, device) without the host waiting for the
+    device (a pageable host buffer is staged by the copy call itself)."""
     key = (words, str(device))
     mult = _MULTIPLIERS.get(key)
     if mult is None:
-        mult = _MULTIPLIERS[key] = torch.tensor([to_signed64(m) for m in multipliers(words)], dtype=torch.int64,
-                                                device=device)
+        host = torch.tensor([to_signed64(m) for m in multipliers(words)], dtype=torch.int64)
+        mult = _MULTIPLIERS[key] = host.to(device, non_blocking=True)
     return mult
 
 

@@ -20,6 +20,9 @@ runs SGLang's asynchronous GPU paths on CPU and makes both visible:
   (``SGLANG_HARDEN_TESTBED_CUDASIM_POISON``; integers 0 -- SGLang's reserved dummy page --, floats NaN) until the host
   waits for the stream the copy was issued on (``cudasim_streams``); a read before that is a "poisoned read", on any
   thread (the moded one through the mode, others through ``numpy``/``tolist``/``item``).
+- sglang-harden's own question "is this tensor on a GPU?" (``sglang_harden.kernels.device.on_accelerator``) is
+  answered by the device marks (``simulate_accelerator``), so its GPU code paths run here: streams, pinned copies,
+  events polled instead of waited on.
 - ``torch.cuda.Event``, ``Stream``, ``current_stream``, ``default_stream``, ``stream``, ``synchronize`` are the
   simulator's (process-wide); ``torch.cuda.is_available()`` stays False so SGLang keeps its CPU paths. Where the
   mode runs (the scheduler process) so are ``torch.cpu.Event``, ``Stream``, ``current_stream``, ``stream`` and
@@ -44,6 +47,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from sglang_harden.kernels import device as accelerator
 from sglang_harden.testbed import cudasim_core as core
 from sglang_harden.testbed import cudasim_streams as streams
 from sglang_harden.testbed.cudasim_core import POISON_ENV, SimDevice, is_device, is_pinned, mark_device, owner_of
@@ -102,6 +106,7 @@ def install_mode(device: str = "cpu") -> SimDevice:
     SimMode(sim).__enter__()
     core.MODED_THREADS.add(threading.get_ident())
     _install_wait_patches()
+    accelerator.simulate_accelerator(is_device)
     return sim
 
 
@@ -116,10 +121,12 @@ def session(device: str = "cpu", reset_counts: bool = True) -> Iterator[SimDevic
     ident = threading.get_ident()
     core.MODED_THREADS.add(ident)
     _install_wait_patches()
+    accelerator.simulate_accelerator(is_device)
     try:
         with SimMode(sim):
             yield sim
     finally:
+        accelerator.simulate_accelerator(None)
         core.MODED_THREADS.discard(ident)
         if not core.MODED_THREADS:
             _uninstall_wait_patches()

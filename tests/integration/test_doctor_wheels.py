@@ -133,6 +133,9 @@ OPTIONAL_TARGETS = {
         ("0.5.19",),
     "lifecycle: sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req": ("0.5.19", "0.5.20", "0.5.21"),
     "lifecycle: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint": ("0.5.22", "0.5.23"),
+    "lifecycle: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.cache_unfinished_req":
+        ("0.5.19", "0.5.20", "0.5.21"),
+    "lifecycle: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint": ("0.5.22", "0.5.23"),
 }
 
 

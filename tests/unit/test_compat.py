@@ -287,6 +287,8 @@ def test_page_tags_keeps_its_own_ledger_with_lifecycle_off(monkeypatch: pytest.M
     assert {h.qualname for h in ledger_hooks} == {
         "Scheduler.__init__", "TokenToKVPoolAllocator.free", "PagedTokenToKVPoolAllocator._release_page_ids",
         "release_kv_cache", "RadixCache.evict", "RadixCache.cache_unfinished_req", "RadixCache.checkpoint",
+        "UnifiedRadixCache.evict", "UnifiedRadixCache.cache_unfinished_req", "UnifiedRadixCache.checkpoint",
+        "UnifiedRadixCache.evict_for_alloc",
         "BaseTokenToKVPoolAllocator.free_group_begin", "BaseTokenToKVPoolAllocator.free_group_end",
         "PagedTokenToKVPoolAllocator.free_group_end",
         "MooncakeKVReceiver.send_metadata", "NixlKVReceiver.send_metadata", "MoriKVReceiver.send_metadata",
