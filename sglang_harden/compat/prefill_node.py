@@ -335,7 +335,8 @@ class PrefillNode:
             if record is None or not record.sources:
                 continue
             held = int(np.count_nonzero(self.held_room[self._distinct_sources(record)] == room))
-            stuck += max(0, held - len(record.pending))
+            kept_back = len(record.pending) + sum(h.tokens for h in record.held) // self.page_size
+            stuck += max(0, held - kept_back)
         return stuck * self.page_size
 
     def _rooms_pinning_released_pages(self) -> set[int]:

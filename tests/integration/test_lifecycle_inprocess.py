@@ -319,7 +319,7 @@ def test_commit_gate_fails_a_transfer_whose_page_table_is_misowned(allocator: An
     transfer (SGLang's failure path then aborts the request on every TP rank) instead of committing it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_harden.compat.commit_gate import CommitGate
+    from sglang_harden.compat.commit_gate import CommitGate, wiring
 
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node
@@ -335,7 +335,7 @@ def test_commit_gate_fails_a_transfer_whose_page_table_is_misowned(allocator: An
                           bootstrap_host="127.0.0.1")
     decode_req = SimpleNamespace(req=req, kv_receiver=receiver)
     queue = SimpleNamespace(scheduler=_scheduler_with_table(rows), queue=[decode_req])
-    gate = CommitGate()
+    gate = CommitGate(wiring())
     gate.join("page_tags", page_tags_v05.PageTagStep(), "page_tags")
     gate.see_queue(queue)
     assert gate.gate(receiver, KVPoll.Success) == KVPoll.Failed

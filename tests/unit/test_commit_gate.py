@@ -1,4 +1,4 @@
-"""Decode's commit gate (``compat/commit_gate.py``) with stand-in steps and SGLang's poll states as plain values: a
+"""Decode's commit gate (``compat/gate.py``) with stand-in steps and SGLang's poll states as plain values: a
 finished transfer waits (``Transferring``) until every step decided, each step is launched once and decides once,
 in the gate's order; an enforced refusal fails the transfer with the guard's reason, a logged one lets it commit;
 rooms that left the queue are dropped; receivers the queue does not hold, and fake transfers, pass untouched."""
@@ -10,19 +10,16 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.compat import commit_gate
-from sglang_harden.compat.commit_gate import CommitGate, Polls
-from sglang_harden.compat.runtime import RUNTIME
-from sglang_harden.config import Mode
+from sglang_harden.compat.gate import CommitGate, GateWiring
 from sglang_harden.guards.base import Decision, Verdict, allow
 
 SUCCESS, TRANSFERRING, FAILED = 4, 3, 0
 
 
-@pytest.fixture(autouse=True)
-def _plain_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(commit_gate, "_POLLS", [Polls(SUCCESS, TRANSFERRING, FAILED)])
-    monkeypatch.setattr(commit_gate, "_is_fake_transfer", lambda req: getattr(req, "fake", False))
+def _wiring(enforced: bool = True) -> GateWiring:
+    """Plain poll states; a decision refuses when it does not allow and ``enforced``."""
+    return GateWiring(SUCCESS, TRANSFERRING, FAILED, lambda req: getattr(req, "fake", False),
+                      lambda decision, guard, room, rid: enforced and not decision.allows)
 
 
 class Step:
@@ -57,7 +54,7 @@ def _queue(*rooms: int) -> tuple[Any, dict[int, Any]]:
 
 
 def test_a_finished_transfer_waits_until_every_step_decided() -> None:
-    gate = CommitGate()
+    gate = CommitGate(_wiring())
     slow, fast = Step("checksum", passes=2), Step("canary")
     gate.join("checksum", slow, "checksum")
     gate.join("canary", fast, "canary")
@@ -71,9 +68,9 @@ def test_a_finished_transfer_waits_until_every_step_decided() -> None:
     assert gate.gate(receivers[7], TRANSFERRING) == TRANSFERRING, "only a success is held"
 
 
-def test_an_enforced_refusal_fails_the_transfer_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_enforced_refusal_fails_the_transfer_with_the_reason() -> None:
     refusal = Decision("canary", Verdict.ABORT, "2 reserved pages never written", 500)
-    gate = CommitGate()
+    gate = CommitGate(_wiring())
     gate.join("canary", Step("canary", refusal), "canary")
     later = Step("checksum")
     gate.join("checksum", later, "checksum")
@@ -82,8 +79,7 @@ def test_an_enforced_refusal_fails_the_transfer_with_the_reason(monkeypatch: pyt
     assert gate.gate(receivers[9], SUCCESS) == FAILED
     assert receivers[9].failures and "sglang-harden canary check failed" in receivers[9].failures[0]
     assert later.decided == 0, "the first refusal ends the gate"
-    monkeypatch.setattr(RUNTIME, "config", RUNTIME.config.__class__(canary=Mode.LOG))
-    logged = CommitGate()
+    logged = CommitGate(_wiring(enforced=False))
     logged.join("canary", Step("canary", refusal), "canary")
     queue, receivers = _queue(10)
     logged.see_queue(queue)
@@ -91,7 +87,7 @@ def test_an_enforced_refusal_fails_the_transfer_with_the_reason(monkeypatch: pyt
 
 
 def test_rooms_that_left_the_queue_are_dropped_and_strangers_pass() -> None:
-    gate = CommitGate()
+    gate = CommitGate(_wiring())
     gate.join("canary", Step("canary", passes=5), "canary")
     queue, receivers = _queue(1, 2)
     gate.see_queue(queue)
@@ -108,3 +104,11 @@ def test_rooms_that_left_the_queue_are_dropped_and_strangers_pass() -> None:
 def test_an_unknown_step_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown step"):
         CommitGate().join("spellcheck", Step("x"), "x")
+
+
+def test_an_unwired_gate_lets_every_poll_through() -> None:
+    gate = CommitGate()
+    gate.join("canary", Step("canary", passes=5), "canary")
+    queue, receivers = _queue(3)
+    gate.see_queue(queue)
+    assert gate.gate(receivers[3], SUCCESS) == SUCCESS
