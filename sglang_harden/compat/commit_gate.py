@@ -1,7 +1,6 @@
-"""The plugin's commit gate (the rule: :mod:`.gate`): hooks on the receiver's ``poll`` (``CommonKVReceiver.poll``)
-and the transfer queue's ``pop_transferred`` (which requests are in the queue), both installed by the first step
-that joins, like :mod:`.commit_chain`; decisions are recorded through :mod:`sglang_harden.events` in each guard's
-mode.
+"""The plugin's commit gate (the rule: :mod:`.gate`): hooks on every backend receiver's ``poll`` and the transfer
+queue's ``pop_transferred`` (which requests are in the queue), installed by the first step that joins, like
+:mod:`.commit_chain`; decisions are recorded through :mod:`sglang_harden.events` in each guard's mode.
 """
 
 from __future__ import annotations
@@ -10,15 +9,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
+from sglang_harden.compat.backends import receiver_poll_hooks
 from sglang_harden.compat.gate import ORDER, CommitGate, GateWiring, Step  # noqa: F401 - the gate's names, used here
 from sglang_harden.compat.hooks import Hook
-from sglang_harden.compat.internals import CONN, POP_TRANSFERRED
+from sglang_harden.compat.internals import POP_TRANSFERRED
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.guards.base import Decision
 
 Func = Callable[..., Any]
 GATE_MARK = "__sglang_harden_commit_gate__"
-RECEIVER_POLL = (CONN, "CommonKVReceiver.poll")
 _TALLIES: dict[int, events.Tally] = {}  # id of a constant ALLOW decision -> its tally (the hot path's count)
 
 
@@ -100,5 +99,5 @@ def hooks(owner: str, name: str, step: Step, gate: CommitGate = GATE) -> list[Ho
         install.times_itself = True  # type: ignore[attr-defined]
         return install
 
-    return [Hook(owner, *RECEIVER_POLL, ("self",), joined(_gate_poll(gate))),
+    return [*receiver_poll_hooks(owner, joined(_gate_poll(gate))),
             Hook(owner, *POP_TRANSFERRED, ("self",), joined(_see_queue(gate)))]

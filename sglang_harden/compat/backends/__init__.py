@@ -42,6 +42,14 @@ def receiver_hooks(owner: str, make_wrapper: Callable[..., object]) -> list[Hook
             for module in backend_modules()]
 
 
+def receiver_poll_hooks(owner: str, make_wrapper: Callable[..., object]) -> list[Hook]:
+    """``owner``'s hook on every backend receiver's ``poll`` (decode learns there that a transfer finished). Up to
+    0.5.21 each receiver class has its own ``poll``; from 0.5.22 some inherit ``CommonKVReceiver``'s, which the
+    hook then wraps on the receiver class itself."""
+    return [Hook(owner, module.MODULE, f"{module.RECEIVER}.poll", ("self",), make_wrapper)
+            for module in backend_modules()]
+
+
 def needed_on_backend(hook: Hook, backend: str) -> bool:
     """A hook into one transfer backend's module is needed only in processes that use that backend."""
     return hook.module not in BACKEND_MODULES.values() or hook.module == BACKEND_MODULES.get(backend)
