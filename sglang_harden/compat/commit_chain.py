@@ -6,7 +6,8 @@ lifecycle is off); then coverage, which may refuse (it reads the metadata buffer
 The first refusal aborts the request and ends the chain. A step runs when its guard's hook joined the chain,
 whatever else is armed; steps hand each other a per-commit context, never an attribute set on SGLang's objects.
 The checks that read device memory (page tags, canary, checksum) decide earlier, at the commit gate
-(:mod:`.commit_gate`), so that nothing here waits for the GPU.
+(:mod:`.commit_gate`), so that nothing here waits for the GPU; the chain's last step makes sure of it (a transfer that
+did not pass the gate is judged here, waiting: see :meth:`.gate.CommitGate.judge_at_commit`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ Func = Callable[..., Any]
 # (the transfer queue, SGLang's DecodeRequest, this commit's context) -> True when it refused (and aborted) the request
 Step = Callable[[Any, Any, dict[str, Any]], bool]
 
-BEFORE_COMMIT = ("ledger", "coverage")
+BEFORE_COMMIT = ("ledger", "coverage", "gate")
 MODULE, QUALNAME = COMMIT
 PARAMS = ("self", "decode_req")
 TARGET = f"{MODULE}.{QUALNAME}"

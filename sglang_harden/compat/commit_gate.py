@@ -5,16 +5,26 @@ queue's ``pop_transferred`` (which requests are in the queue), installed by the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from sglang_harden import events
+from sglang_harden.compat import commit_chain
 from sglang_harden.compat.backends import receiver_poll_hooks
-from sglang_harden.compat.gate import ORDER, CommitGate, GateWiring, Step  # noqa: F401 - the gate's names, used here
+from sglang_harden.compat.gate import (  # noqa: F401 - the gate's names, used here
+    ORDER,
+    CommitGate,
+    GateWiring,
+    Step,
+    refusal_message,
+)
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import POP_TRANSFERRED
 from sglang_harden.compat.runtime import RUNTIME
-from sglang_harden.guards.base import Decision
+from sglang_harden.guards.base import Decision, Verdict
+
+logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
 GATE_MARK = "__sglang_harden_commit_gate__"
@@ -86,8 +96,33 @@ def _gate_poll(gate: CommitGate) -> Callable[[Func], Func]:
     return make
 
 
+def _judged_at_commit(queue: Any, decode_req: Any, _context: dict[str, Any]) -> bool:
+    """Commit-chain step: a transfer that did not pass the gate is judged now (waiting; logged, it should not
+    happen on the poll paths the gate sees) and aborted if a step refuses it."""
+    room = getattr(decode_req.req, "bootstrap_room", None)
+    if GATE.wiring is None or room is None:
+        return False
+    if int(room) not in GATE.passed and GATE.steps and not _is_fake_transfer(decode_req.req):
+        logger.warning("sglang-harden commit gate: room %s reached the commit without passing the gate; judging it "
+                       "now (a host synchronisation)", room)
+    try:
+        refused = GATE.judge_at_commit(queue, decode_req)
+    except TimeoutError as exc:
+        refused = ("commit gate", Decision("commit_gate", Verdict.ABORT, str(exc), 500))
+    if refused is None:
+        return False
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    guard, decision = refused
+    prepare_abort(decode_req.req, refusal_message(guard, decision), status_code=decision.status_code or 500)
+    decode_req.kv_receiver.clear()
+    decode_req.kv_receiver = None
+    return True
+
+
 def hooks(owner: str, name: str, step: Step, gate: CommitGate = GATE) -> list[Hook]:
-    """``owner``'s hooks for its gate ``step``: the step joins the gate when the first of them is installed."""
+    """``owner``'s hooks for its gate ``step``: the step joins the gate when the first of them is installed; the
+    commit chain's last step judges a transfer that did not pass it."""
 
     def joined(make: Callable[[Func], Func]) -> Callable[[Func], Func]:
         def install(original: Func) -> Func:
@@ -100,4 +135,5 @@ def hooks(owner: str, name: str, step: Step, gate: CommitGate = GATE) -> list[Ho
         return install
 
     return [*receiver_poll_hooks(owner, joined(_gate_poll(gate))),
-            Hook(owner, *POP_TRANSFERRED, ("self",), joined(_see_queue(gate)))]
+            Hook(owner, *POP_TRANSFERRED, ("self",), joined(_see_queue(gate))),
+            commit_chain.hook(owner, "gate", _judged_at_commit)]

@@ -16,12 +16,16 @@ which aborts the request with HTTP 500 and the reason, before its first decode s
 
 Steps run in :data:`ORDER` (cheapest first); each decision is recorded once. What SGLang's names are, how a
 decision is recorded and applied, is the caller's (:class:`GateWiring`): this module knows no SGLang name.
+
+A request SGLang commits without its transfer having passed the gate (a poll path the gate does not see, e.g. the
+pipeline-parallel consensus) is judged at the commit instead (:meth:`CommitGate.judge_at_commit`): the same steps,
+waited for -- a host synchronisation, on that path only -- and never committed unjudged.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -77,6 +81,7 @@ class CommitGate:
         self.entries: dict[int, Entry] = {}
         self.queued: dict[int, Any] = {}  # room -> SGLang's DecodeRequest, as of this pass
         self.queue: Any = None
+        self.passed: set[int] = set()  # rooms whose every step allowed (or only logged) the transfer
 
     def wire(self, wiring: GateWiring) -> None:
         self.wiring = wiring
@@ -99,6 +104,7 @@ class CommitGate:
                 self.queued[int(room)] = decode_req
         for room in [room for room in self.entries if room not in self.queued]:
             del self.entries[room]  # aborted, failed or committed: its pending work is dropped
+        self.passed &= self.queued.keys()
 
     # ---- a receiver's poll (scheduler thread)
     def gate(self, receiver: Any, status: Any) -> Any:
@@ -124,7 +130,44 @@ class CommitGate:
                 self.entries.pop(int(room), None)
                 receiver.kv_mgr.record_failure(int(room), refusal_message(guard, decision))
                 return wiring.failed
+        self.passed.add(int(room))
         return status
+
+    def judge_polls(self, pollers: Sequence[Any], polls: list[int]) -> list[int]:
+        """:meth:`gate` over one pass's polls of ``pollers`` (receivers, or SGLang's wrappers holding one as
+        ``decode_req.kv_receiver``): the backport series' hook, where SGLang polls every receiver."""
+        judged = []
+        for poller, status in zip(pollers, polls, strict=True):
+            decode_req = getattr(poller, "decode_req", None)
+            receiver = decode_req.kv_receiver if decode_req is not None else poller
+            judged.append(int(self.gate(receiver, status)))
+        return judged
+
+    def judge_at_commit(self, queue: Any, decode_req: Any, timeout_s: float = 30.0) -> tuple[str, Decision] | None:
+        """At SGLang's commit: None when the room passed the gate (or has nothing to check); else the steps run and
+        are waited for here (``timeout_s``: then the step is judged as not decided in time), and the first
+        refusal, ``(guard, decision)``, is returned for the caller to abort the request with."""
+        wiring = self.wiring
+        room = getattr(decode_req.req, "bootstrap_room", None)
+        if wiring is None or room is None or not self.steps or wiring.is_fake(decode_req.req):
+            return None
+        if int(room) in self.passed:
+            self.passed.discard(int(room))
+            return None
+        self.queue = queue
+        entry = self.entries.pop(int(room), None) or self._launch(decode_req)
+        deadline = time.monotonic() + timeout_s
+        for name in self.joined():
+            if name in entry.decided:
+                continue
+            step, guard = self.steps[name]
+            while (decision := step.decide(queue, decode_req, entry.pending.get(name))) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{CHECK_NAMES.get(guard, guard)} did not decide within {timeout_s} s")
+                time.sleep(0.0005)
+            if wiring.record(decision, guard, room, decode_req.req.rid):
+                return guard, decision
+        return None
 
     def _launch(self, decode_req: Any) -> Entry:
         entry = Entry(time.monotonic())

@@ -112,3 +112,29 @@ def test_an_unwired_gate_lets_every_poll_through() -> None:
     queue, receivers = _queue(3)
     gate.see_queue(queue)
     assert gate.gate(receivers[3], SUCCESS) == SUCCESS
+
+
+def test_a_transfer_that_bypassed_the_gate_is_judged_at_the_commit() -> None:
+    refusal = Decision("canary", Verdict.ABORT, "1 reserved page never written", 500)
+    gate = CommitGate(_wiring())
+    gate.join("page_tags", Step("page_tags", passes=3), "page_tags")
+    gate.join("canary", Step("canary", refusal), "canary")
+    queue, receivers = _queue(4, 5)
+    gate.see_queue(queue)
+    assert gate.judge_at_commit(queue, queue.queue[0]) == ("canary", refusal), "waited for, then refused"
+    clean = CommitGate(_wiring())
+    clean.join("canary", Step("canary"), "canary")
+    clean.see_queue(queue)
+    assert clean.gate(receivers[5], SUCCESS) == SUCCESS and 5 in clean.passed
+    assert clean.judge_at_commit(queue, queue.queue[1]) is None and 5 not in clean.passed
+    assert clean.judge_at_commit(queue, queue.queue[0]) is None, "not passed: judged now, and allowed"
+
+
+def test_judge_polls_maps_each_poller_to_its_receiver() -> None:
+    gate = CommitGate(_wiring())
+    gate.join("canary", Step("canary", passes=1), "canary")
+    queue, receivers = _queue(6, 7)
+    gate.see_queue(queue)
+    wrapped = SimpleNamespace(decode_req=queue.queue[1])  # SGLang's hicache wrapper holds the decode request
+    assert gate.judge_polls([receivers[6], wrapped], [SUCCESS, TRANSFERRING]) == [TRANSFERRING, TRANSFERRING]
+    assert gate.judge_polls([receivers[6], wrapped], [SUCCESS, SUCCESS]) == [SUCCESS, TRANSFERRING]
