@@ -23,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sglang_harden.compat import digest_channel
+from sglang_harden.compat import digest_verify as verify
 from sglang_harden.compat.digest_pool import (  # noqa: F401 - re-exported: tests and shims read them here
     _parallel_context,
     _tp_coordinates,
@@ -37,15 +38,18 @@ from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import checksum
 from sglang_harden.guards.base import Decision
-from sglang_harden.kernels.device import on_accelerator, side_stream
-from sglang_harden.kernels.digest_launch import PendingDigest, launch_digest
+from sglang_harden.kernels.digest import compute_digests, triton_available
+from sglang_harden.kernels.digest_launch import PendingDigest
 from sglang_harden.kernels.digest_spec import ShardDigest
 
 logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
 FETCH_THREADS = 16
+MAX_DIGESTERS = 8
 _FETCHER: ThreadPoolExecutor | None = None
+_DIGESTERS: dict[tuple[Any, ...], Any] = {}
+_DIGESTERS_LOCK = threading.Lock()
 
 
 class DigestTimer:
@@ -85,17 +89,38 @@ class DigestReader:
     abort_transferred: Callable[[Any, Any, Decision], None]
 
 
-# ---------------------------------------------------------------------------------------------- layout
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def _triton_sums(k_buffers: Any, v_buffers: Any, slots: Any, layout: Any, start: int) -> Any:
+    """The per-head sums from the pool's cached Triton digester (CUDA with Triton), else the torch path."""
+    if k_buffers[0].is_cuda and triton_available():
+        return _digester(k_buffers, v_buffers, layout).sums(slots.contiguous(), start)
+    from sglang_harden.kernels.digest_torch import sums_torch
+
+    return sums_torch(k_buffers, v_buffers, slots, layout, start)
+
+
+def _digester(k_buffers: Any, v_buffers: Any, layout: Any) -> Any:
+    """The pool's Triton digester, made once (its address table upload blocks, once per pool)."""
+    from sglang_harden.kernels.digest_triton import TritonDigester
+
+    key = (layout, tuple(b.data_ptr() for b in k_buffers), tuple(b.data_ptr() for b in v_buffers or ()))
+    with _DIGESTERS_LOCK:
+        digester = _DIGESTERS.get(key)
+        if digester is None:
+            digester = _DIGESTERS[key] = TritonDigester(k_buffers, v_buffers, layout)
+            while len(_DIGESTERS) > MAX_DIGESTERS:
+                _DIGESTERS.pop(next(iter(_DIGESTERS)))
+        return digester
+
+
+KERNELS: dict[str, Any] = {"on_host": compute_digests, "on_device": _triton_sums}
 
 
 def launch_digest_rows(scheduler: Any, row: int, start: int, end: int,
                        stream: Any = None) -> tuple[PendingDigest | None, str]:
-    """Start this rank's digest of the request's KV rows ``[start, end)`` (``req_to_token[row]``) on ``stream``."""
-    layout, k_buffers, v_buffers, reason = pool_layout(scheduler)
-    if layout is None:
-        return None, reason
-    slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
-    return launch_digest(k_buffers, v_buffers, slots, layout, start, _tp_rank(scheduler), stream), ""
+    return verify.launch_digest_rows(scheduler, row, start, end, stream, **KERNELS)
 
 
 def digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDigest | None, str]:
@@ -148,33 +173,10 @@ def _publish(scheduler: Any, req: Any, reader: DigestReader, end_idx: Any) -> No
         logger.warning("sglang-harden: no KV digest for request %s: %s", req.rid, reason)
         publisher.publish(digest_channel.PublishedShard(int(room), rank, tuple(checksum.pack_notice(rank, code))))
         return
-    publisher.publish_when_ready(lambda: _landed(int(room), rank, pending))
-
-
-def _landed(room: int, rank: int, pending: PendingDigest) -> digest_channel.PublishedShard:
-    """The published shard once the digest landed (the publisher's thread waits for it, never the scheduler)."""
-    try:
-        pending.wait()
-        shard = pending.shard()
-    except Exception as exc:  # noqa: BLE001 - decode is told and refuses the request
-        logger.warning("sglang-harden: the KV digest of room %s failed: %r", room, exc)
-        return digest_channel.PublishedShard(room, rank, tuple(checksum.pack_notice(rank, checksum.NOTICE_FAILED)))
-    return digest_channel.PublishedShard(room, shard.rank, tuple(checksum.pack_shard(shard)))
+    publisher.publish_when_ready(lambda: verify.published_when_landed(int(room), rank, pending))
 
 
 # ----------------------------------------------------------------------------------------------- decode
-
-
-@dataclass
-class _Verifying:
-    """The checksum step's work for one room: prefill's digests on their way (a background fetch), then this
-    rank's own digest of the same rows."""
-
-    fetch: Future[digest_channel.Fetched]
-    began: float
-    layout_heads: frozenset[int] = frozenset()
-    local: PendingDigest | None = None
-    published: list[Any] = field(default_factory=list)
 
 
 def _fetcher() -> ThreadPoolExecutor:
@@ -184,66 +186,12 @@ def _fetcher() -> ThreadPoolExecutor:
     return _FETCHER
 
 
-class ChecksumStep:
-    """The commit gate's checksum step: fetch prefill's digests off the scheduler thread, then digest the same rows
-    here on the private stream, compare once both are on the host. Waits at most ``checksum_wait_ms`` for
-    prefill's digests (fails closed after)."""
+def _fetch(addr: str, room: int, enough: Callable[[dict[int, tuple[int, ...]]], bool]) -> Future[Any]:
+    """Prefill's digests of ``room``, fetched by a pool thread (the feed, else the board; at most the wait)."""
+    wait_s = RUNTIME.config.checksum_wait_ms / 1000
+    return _fetcher().submit(digest_channel.receive_digests, RUNTIME.feed, addr, room, wait_s, enough)
 
-    def __init__(self, reader: DigestReader) -> None:
-        self.reader = reader
 
-    def launch(self, queue: Any, decode_req: Any) -> Any:
-        req = decode_req.req
-        layout, _, _, reason = pool_layout(queue.scheduler)
-        if layout is None:
-            return checksum.not_comparable(str(req.rid), reason)
-        mine = frozenset(layout.heads)
-
-        def decidable(shards: dict[int, tuple[int, ...]]) -> bool:
-            covered = {h for s in checksum.published_shards(shards) for h in s.layout.heads}
-            return bool(checksum.notices_in(shards)) or mine <= covered
-
-        addr = str(getattr(decode_req.kv_receiver, "bootstrap_addr", ""))
-        wait_s = RUNTIME.config.checksum_wait_ms / 1000
-        fetch = _fetcher().submit(digest_channel.receive_digests, RUNTIME.feed, addr, int(req.bootstrap_room),
-                                  wait_s, decidable)
-        return _Verifying(fetch, time.perf_counter(), mine)
-
-    def decide(self, queue: Any, decode_req: Any, pending: Any) -> Decision | None:
-        if isinstance(pending, Decision):
-            return pending
-        rid = str(decode_req.req.rid)
-        try:
-            return self._decide(queue, decode_req, pending)
-        except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
-            return checksum.unverifiable(rid, repr(exc))
-
-    def _decide(self, queue: Any, decode_req: Any, work: _Verifying) -> Decision | None:
-        req = decode_req.req
-        rid = str(req.rid)
-        if work.local is None:
-            if not work.fetch.done():
-                return None
-            fetched = work.fetch.result()
-            TIMER.add("verify.fetch", time.perf_counter() - work.began)
-            notices = checksum.notices_in(fetched.shards)
-            if notices:
-                return checksum.decide_on_notices(rid, notices)
-            if fetched.timed_out:
-                return checksum.unverifiable(rid, fetched.reason)
-            work.published = checksum.published_shards(fetched.shards)
-            if not work.published:
-                return checksum.not_comparable(rid, fetched.reason or "prefill published no digest")
-            start = min(s.start_token for s in work.published)
-            scheduler = queue.scheduler
-            row = scheduler.req_to_token_pool.req_to_token[self.reader.pool_row(req)]
-            stream = side_stream(row.device) if on_accelerator(row) else None
-            local, reason = launch_digest_rows(scheduler, self.reader.pool_row(req), start,
-                                               len(req.origin_input_ids), stream)
-            if local is None:
-                return checksum.not_comparable(rid, reason)
-            work.local = local
-        if not work.local.ready():
-            return None
-        TIMER.add("verify", time.perf_counter() - work.began)
-        return checksum.compare(work.published, work.local.shard(), rid)
+def checksum_step(reader: DigestReader) -> verify.ChecksumGateStep:
+    """The commit gate's checksum step (:class:`.digest_verify.ChecksumGateStep`) with the plugin's kernels."""
+    return verify.ChecksumGateStep(reader.pool_row, _fetch, **KERNELS)

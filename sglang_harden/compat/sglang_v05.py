@@ -287,7 +287,7 @@ HOOKS: list[Hook] = [
     # read device memory wait at the commit gate before it (page tags, canary, checksum).
     commit_chain.hook("coverage", "coverage", _coverage_step),
     *commit_gate.hooks("canary", "canary", kv_canary.CanaryStep()),
-    *commit_gate.hooks("checksum", "checksum", kv_digest.ChecksumStep(DIGEST_READER)),
+    *commit_gate.hooks("checksum", "checksum", kv_digest.checksum_step(DIGEST_READER)),
     Hook("abort_notify", *SETUP_ROUTES, ("self",), abort_routes),
     Hook("checksum", *SETUP_ROUTES, ("self",), digest_routes),
     # Listed after abort_notify's routes, so the token check sits outside and sees every route.

@@ -1,25 +1,24 @@
 """The KV digest launched without the host waiting for the GPU: the per-head sums are computed on a stream, copied
 into pinned memory and finalised on the host once they landed (:class:`PendingDigest`).
 
-On a GPU the sums come from the Triton kernel (one cached :class:`~.digest_triton.TritonDigester` per pool: its
-address table is uploaded once) or, without Triton, from the torch path; on the CPU the digest is computed at once
-(native C, else torch). Bit for bit the same digests either way (:mod:`.digest_spec`).
+On a GPU the sums come from ``on_device`` (the plugin passes its cached Triton digester where Triton and CUDA are
+there) or the torch path; on the CPU the digest is computed at once (``on_host``: the plugin's native C path, else
+torch). Bit for bit the same digests either way (:mod:`.digest_spec`). Shared by the plugin and the backport
+series (bundled into its ``pd_digest``).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sglang_harden.kernels.device import HostCopy, on_accelerator
-from sglang_harden.kernels.digest import compute_digests, triton_available
 from sglang_harden.kernels.digest_spec import MASK64, KVLayout, ShardDigest, finalize
+from sglang_harden.kernels.digest_torch import sums_torch
 
-MAX_DIGESTERS = 8
-_digesters: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
-_digesters_lock = threading.Lock()
+# (k_buffers, v_buffers, slots, layout, start_token) -> per-head digests (host) / per-head sums (device tensor)
+HostDigest = Callable[[Sequence[Any], Sequence[Any] | None, Any, KVLayout, int], tuple[int, ...]]
+DeviceSums = Callable[[Sequence[Any], Sequence[Any] | None, Any, KVLayout, int], Any]
 
 
 class PendingDigest:
@@ -42,42 +41,31 @@ class PendingDigest:
         """The shard digest (only once :meth:`ready`)."""
         if self._digests is None:
             assert self._sums is not None
-            sums = [int(s) & MASK64 for s in self._sums.numpy().tolist()]
-            self._digests = finalize(sums, self.layout, self.start_token, self.n_tokens)
+            self._digests = _finalized(self._sums.numpy().tolist(), self.layout, self.start_token, self.n_tokens)
         return ShardDigest(self.layout, self.start_token, self.n_tokens, self._digests, self.rank)
 
 
-def _digester(k_buffers: Sequence[Any], v_buffers: Sequence[Any] | None, layout: KVLayout) -> Any:
-    """The pool's Triton digester, made once (its address table upload blocks, once)."""
-    from sglang_harden.kernels.digest_triton import TritonDigester
-
-    key = (layout, tuple(b.data_ptr() for b in k_buffers), tuple(b.data_ptr() for b in v_buffers or ()))
-    with _digesters_lock:
-        digester = _digesters.get(key)
-        if digester is None:
-            digester = _digesters[key] = TritonDigester(k_buffers, v_buffers, layout)
-            while len(_digesters) > MAX_DIGESTERS:
-                _digesters.popitem(last=False)
-        return digester
+def _finalized(sums: Sequence[int], layout: KVLayout, start_token: int, n_tokens: int) -> tuple[int, ...]:
+    return finalize([int(s) & MASK64 for s in sums], layout, start_token, n_tokens)
 
 
 def launch_digest(k_buffers: Sequence[Any], v_buffers: Sequence[Any] | None, slots: Any, layout: KVLayout,
-                  start_token: int = 0, rank: int = 0, stream: Any = None) -> PendingDigest:
+                  start_token: int = 0, rank: int = 0, stream: Any = None, *, on_host: HostDigest | None = None,
+                  on_device: DeviceSums | None = None) -> PendingDigest:
     """Start the digest of the rows at pool ``slots`` (an int64 tensor on the pool's device) on ``stream`` (None:
     the current one)."""
     n_tokens = int(slots.numel())
     if not on_accelerator(k_buffers[0]):
-        digests = compute_digests(k_buffers, v_buffers, slots, layout, start_token)
+        if on_host is not None:
+            digests = on_host(k_buffers, v_buffers, slots, layout, start_token)
+        else:
+            sums = sums_torch(k_buffers, v_buffers, slots, layout, start_token).tolist()
+            digests = _finalized(sums, layout, start_token, n_tokens)
         return PendingDigest(layout, start_token, n_tokens, rank, digests=digests)
     import torch
 
     stream = stream if stream is not None else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
-        if k_buffers[0].is_cuda and triton_available():
-            sums = _digester(k_buffers, v_buffers, layout).sums(slots.contiguous(), start_token)
-        else:
-            from sglang_harden.kernels.digest_torch import sums_torch
-
-            sums = sums_torch(k_buffers, v_buffers, slots, layout, start_token)
+        sums = (on_device or sums_torch)(k_buffers, v_buffers, slots, layout, start_token)
         copy = HostCopy.launch([sums], stream)
     return PendingDigest(layout, start_token, n_tokens, rank, sums=copy)

@@ -212,7 +212,7 @@ def _decide_on(monkeypatch: pytest.MonkeyPatch, fetched: Any, decode_pool: Any =
     req = SimpleNamespace(rid="d", bootstrap_room=11, origin_input_ids=list(range(N_TOKENS)))
     decode_req = SimpleNamespace(req=req, kv_receiver=SimpleNamespace(bootstrap_addr="127.0.0.1:1"))
     queue = SimpleNamespace(scheduler=_scheduler(pool, DECODE_SLOTS))
-    step = kv_digest.ChecksumStep(_reader())
+    step = kv_digest.checksum_step(_reader())
     pending = step.launch(queue, decode_req)
     deadline = time.monotonic() + 10
     while (decision := step.decide(queue, decode_req, pending)) is None:
