@@ -26,13 +26,27 @@ can attribute; it is reported.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from sglang_harden.compat.free_context import (
+    EVICT,
+    GROUP_FLUSH,
+    HOLD,
+    READ,
+    REQUEST,
+    VETTED,
+    FreeContext,
+    current,
+    group_begins,
+    group_flush_context,
+    note_release,
+    room_of,
+    route,
+    within,
+)
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import (
     ALLOC_BASE,
@@ -46,47 +60,9 @@ from sglang_harden.compat.internals import (
 from sglang_harden.compat.lifecycle_nodes import DecodeNode, HeldFree
 from sglang_harden.compat.prefill_node import PrefillNode
 from sglang_harden.compat.runtime import RUNTIME
-from sglang_harden.compat.shared import room_of
 from sglang_harden.kernels.device import upload
 
 Func = Callable[..., Any]
-
-REQUEST, EVICT, GROUP_FLUSH, VETTED = "request", "evict", "group_flush", "vetted"
-PASS, HOLD, READ = "pass", "hold", "read"
-
-
-@dataclass(frozen=True)
-class FreeContext:
-    kind: str
-    req: Any = None
-    tainted: bool = False
-
-
-NO_CONTEXT = FreeContext("none")
-
-
-class _Contexts(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[FreeContext] = []
-        self.group_open = False  # between free_group_begin and free_group_end
-        self.group_tainted = False  # a request released in the open group may still be written (paged only)
-
-
-CONTEXTS = _Contexts()
-
-
-def current() -> FreeContext:
-    stack = CONTEXTS.stack
-    return stack[-1] if stack else NO_CONTEXT
-
-
-def within(context: FreeContext, call: Callable[[], Any]) -> Any:
-    CONTEXTS.stack.append(context)
-    try:
-        return call()
-    finally:
-        CONTEXTS.stack.pop()
-
 
 _node_source: list[Callable[[], DecodeNode | PrefillNode | None]] = []
 
@@ -108,8 +84,7 @@ def _release_context(original: Func) -> Func:
         node = _node()
         if node is None:
             return original(req, tree_cache, *args, **kwargs)
-        if CONTEXTS.group_open and node.page_size > 1 and _route_request(node, req) == HOLD:
-            CONTEXTS.group_tainted = True  # the paged allocator collects before its choke point
+        note_release(node, req)
         return within(FreeContext(REQUEST, req), lambda: original(req, tree_cache, *args, **kwargs))
 
     return release_kv_cache
@@ -138,7 +113,7 @@ def _evict_context(original: Func) -> Func:
 def _group_begin(original: Func) -> Func:
     def free_group_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        CONTEXTS.group_open, CONTEXTS.group_tainted = True, False
+        group_begins()
         return result
 
     return free_group_begin
@@ -146,10 +121,9 @@ def _group_begin(original: Func) -> Func:
 
 def _group_end(original: Func) -> Func:
     def free_group_end(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not CONTEXTS.group_open:  # the paged allocator's end calls the base class's: one flush context
+        context = group_flush_context()
+        if context is None:  # the paged allocator's end calls the base class's: one flush context
             return original(self, *args, **kwargs)
-        context = FreeContext(GROUP_FLUSH, tainted=CONTEXTS.group_tainted)
-        CONTEXTS.group_open = False
         return within(context, lambda: original(self, *args, **kwargs))
 
     return free_group_end
@@ -158,37 +132,10 @@ def _group_end(original: Func) -> Func:
 # ---------------------------------------------------------------- the decision
 
 
-def _route_request(node: DecodeNode | PrefillNode, req: Any) -> str:
-    room = room_of(req)
-    if isinstance(node, DecodeNode):
-        return HOLD if node.in_flight(room) is not None else PASS
-    return PASS if room is None or node.free_of_room_is_safe(room) else HOLD
-
-
-def route(node: DecodeNode | PrefillNode) -> str:
-    """PASS (free as asked), HOLD (keep the whole free back for the request of the context) or READ (read the
-    index and judge it page by page) for a free happening now."""
-    context = current()
-    if context.kind == VETTED:
-        return PASS
-    if context.kind == REQUEST:
-        return _route_request(node, context.req)
-    if context.kind == GROUP_FLUSH:
-        return READ if context.tainted else PASS
-    if isinstance(node, DecodeNode):
-        if context.kind == EVICT:
-            return PASS
-        return READ if node.any_in_flight() else PASS
-    if context.kind == EVICT:
-        return READ if node.released_pages_pinned() else PASS
-    return READ if node.busy() or node.rooms else PASS
-
-
 def _hold(node: DecodeNode | PrefillNode, held: HeldFree) -> bool:
     """Keep ``held`` back for the request of the current context; False: nothing to keep (free it now)."""
     mode = RUNTIME.config.lifecycle
-    req = current().req
-    room = room_of(req)
+    room = room_of(current().req)
     if room is None:
         return False
     if isinstance(node, DecodeNode):

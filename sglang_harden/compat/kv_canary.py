@@ -22,9 +22,9 @@ from typing import Any
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import canary
-from sglang_harden.guards.base import Decision, Verdict
 from sglang_harden.kernels.canary_stamps import (  # noqa: F401 - stamp helpers, used through this module
     MAX_ROOMS,
+    CanaryGateStep,
     Stamp,
     Stamps,
     canary_buffers,
@@ -64,31 +64,6 @@ def _stamp(room: int, pages: list[int], pool: Any) -> None:
     STAMPS.add(room, Stamp(marker, tuple(pages), slots))
 
 
-class CanaryStep:
-    """The commit gate's canary step: launch the check of the room's stamps, decide once it landed."""
-
-    def launch(self, _queue: Any, decode_req: Any) -> Any:
-        req = decode_req.req
-        room = getattr(req, "bootstrap_room", None)
-        record = STAMPS.pop(int(room)) if room is not None else None
-        pool = RUNTIME.decode_kv_pool
-        if record is None or pool is None:
-            return None
-        try:
-            return record, launch_check(canary_buffers(pool), record.slots, record.marker)
-        except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
-            return exc
-
-    def decide(self, _queue: Any, decode_req: Any, pending: Any) -> Decision | None:
-        rid = str(decode_req.req.rid)
-        if pending is None:
-            room = getattr(decode_req.req, "bootstrap_room", None)
-            reason = f"request {rid}: no canary stamp recorded for room {room}; refusing to decode unverified pages"
-            return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid, "room": room})
-        if isinstance(pending, Exception):
-            reason = f"request {rid}: canary check failed ({pending!r}); refusing to decode unverified pages"
-            return Decision(canary.GUARD, Verdict.ABORT, reason, canary.ABORT_STATUS, {"rid": rid})
-        record, check = pending
-        if not check.ready():
-            return None
-        return decide_check(rid, record.pages, check)
+def canary_step() -> CanaryGateStep:
+    """The commit gate's canary step over this process's stamps and decode's KV pool."""
+    return CanaryGateStep(STAMPS, lambda: RUNTIME.decode_kv_pool)

@@ -321,6 +321,10 @@ class PrefillNode:
     def busy(self) -> bool:
         return bool(self.attention)
 
+    def unsettled(self) -> bool:
+        """Whether any room's transfer still reads source pages or needs the settle step."""
+        return bool(self.attention) or bool(self.rooms)
+
     # ------------------------------------------------------------ admission budget and reports
 
     def stuck_tokens(self) -> int:

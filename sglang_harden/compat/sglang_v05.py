@@ -286,7 +286,7 @@ HOOKS: list[Hook] = [
     # Decode's commit: one chain whose order is commit_chain's (ledger, coverage), not this list's; the checks that
     # read device memory wait at the commit gate before it (page tags, canary, checksum).
     commit_chain.hook("coverage", "coverage", _coverage_step),
-    *commit_gate.hooks("canary", "canary", kv_canary.CanaryStep()),
+    *commit_gate.hooks("canary", "canary", kv_canary.canary_step()),
     *commit_gate.hooks("checksum", "checksum", kv_digest.checksum_step(DIGEST_READER)),
     Hook("abort_notify", *SETUP_ROUTES, ("self",), abort_routes),
     Hook("checksum", *SETUP_ROUTES, ("self",), digest_routes),

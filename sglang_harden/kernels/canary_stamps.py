@@ -11,12 +11,12 @@ answer comes back as a :class:`~.device.HostCopy` that the caller reads once it 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_harden.guards.base import Decision
-from sglang_harden.guards.canary import decide_commit, stamp_slots
+from sglang_harden.guards.base import Decision, Verdict
+from sglang_harden.guards.canary import ABORT_STATUS, GUARD, decide_commit, stamp_slots
 from sglang_harden.kernels.device import HostCopy, on_accelerator, side_stream, upload
 from sglang_harden.kernels.digest_spec import MASK64, to_signed64
 
@@ -152,3 +152,36 @@ def check_stamps(
     """The commit decision from the stamps alone, waiting for the answer (see :func:`still_stamped`)."""
     positions = still_stamped(buffers, stamp_slots(pages, page_size, first_offset), marker & MASK64)
     return decide_commit(rid, pages, [pages[i] for i in positions])
+
+
+class CanaryGateStep:
+    """Decode's canary step of the commit gate: launch the check of the room's stamps, decide once it landed.
+    ``stamps``: the rooms stamped; ``pool()``: decode's KV pool (None before the first stamp)."""
+
+    def __init__(self, stamps: Stamps, pool: Callable[[], Any]) -> None:
+        self.stamps, self.pool = stamps, pool
+
+    def launch(self, _queue: Any, decode_req: Any) -> Any:
+        room = getattr(decode_req.req, "bootstrap_room", None)
+        record = self.stamps.pop(int(room)) if room is not None else None
+        pool = self.pool()
+        if record is None or pool is None:
+            return None
+        try:
+            return record, launch_check(canary_buffers(pool), record.slots, record.marker)
+        except Exception as exc:  # noqa: BLE001 - cannot decide: fail closed
+            return exc
+
+    def decide(self, _queue: Any, decode_req: Any, pending: Any) -> Decision | None:
+        rid = str(decode_req.req.rid)
+        if pending is None:
+            room = getattr(decode_req.req, "bootstrap_room", None)
+            reason = f"request {rid}: no canary stamp recorded for room {room}; refusing to decode unverified pages"
+            return Decision(GUARD, Verdict.ABORT, reason, ABORT_STATUS, {"rid": rid, "room": room})
+        if isinstance(pending, Exception):
+            reason = f"request {rid}: canary check failed ({pending!r}); refusing to decode unverified pages"
+            return Decision(GUARD, Verdict.ABORT, reason, ABORT_STATUS, {"rid": rid})
+        record, check = pending
+        if not check.ready():
+            return None
+        return decide_check(rid, record.pages, check)

@@ -268,7 +268,7 @@ def _canary_commit(pool: Any, room: int, written: list[int], pages: list[int]) -
         for src, dst in ((source.k_buffer, pool.k_buffer), (source.v_buffer, pool.v_buffer)):
             for s, d in zip(src, dst, strict=True):
                 d[page] = s[page]
-    step = kv_canary.CanaryStep()
+    step = kv_canary.canary_step()
     decode_req = SimpleNamespace(req=SimpleNamespace(rid=f"canary-{room}", bootstrap_room=room))
     decision = step.decide(None, decode_req, step.launch(None, decode_req))
     assert decision is not None, "on the CPU the check lands at once"

@@ -247,7 +247,7 @@ def test_commit_gate_decides_from_landed_copies(sim: Any, unwritten: bool) -> No
     queue, _ = _gate_request(sim, ROOM_B, host_slots, receiver)
     gate = CommitGate(wiring())
     gate.join("page_tags", page_tags_v05.PageTagStep(), "page_tags")
-    gate.join("canary", kv_canary.CanaryStep(), "canary")
+    gate.join("canary", kv_canary.canary_step(), "canary")
     status = _poll_until_decided(gate, receiver, queue)
     assert status == (KVPoll.Failed if unwritten else KVPoll.Success), failures
     assert not unwritten or "canary check failed" in failures[0]
