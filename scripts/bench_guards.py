@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             report["variants"].append(entry)
             report["elapsed_s"], report["loadavg_end"] = round(time.monotonic() - t0, 1), os.getloadavg()
             write(args, report)
+    write(args, report)  # with the variants the time budget skipped
     print(markdown(report))
     return 0
 
