@@ -19,21 +19,16 @@ import os
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_harden.testbed.client import greedy_body  # noqa: E402
+from sglang_harden.testbed.cudasim_report import per_request, sim_state  # noqa: E402
 from sglang_harden.testbed.pd_topology import PDPair  # noqa: E402
 from sglang_harden.testbed.profiles import get_profile  # noqa: E402
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server  # noqa: E402
-
-
-def sim_state(server: Server) -> dict[str, Any]:
-    states = server.server_info().get("internal_states") or [{}]
-    return states[0].get("testbed_cudasim") or {}
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER  # noqa: E402
 
 
 def group_cpu_s(pgid: int | None) -> float:
@@ -52,24 +47,6 @@ def group_cpu_s(pgid: int | None) -> float:
         if int(fields[2]) == pgid:  # field 5, pgrp
             total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
     return total / os.sysconf("SC_CLK_TCK")
-
-
-def _rows(block: dict[str, Any], key: str) -> Counter[tuple[str, ...]]:
-    return Counter({tuple(row[:-1]): int(row[-1]) for row in block.get(key) or []})
-
-
-def per_request(before: dict[str, Any], after: dict[str, Any], n: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in ("sites", "poisoned_sites", "async_copies"):
-        diff = _rows(after, key)
-        diff.subtract(_rows(before, key))
-        out[key] = [[*k, round(v / n, 2)] for k, v in diff.most_common() if v > 0]
-    landed = Counter(after.get("landed") or {})
-    landed.subtract(before.get("landed") or {})
-    out["landed"] = {k: round(v / n, 2) for k, v in landed.items() if v > 0}
-    out["passes"] = round((after.get("passes", 0) - before.get("passes", 0)) / n, 2)
-    out["since_start"] = {k: after.get(k) for k in ("syncs", "poisoned_reads", "marked_tensors_seen", "landed")}
-    return out
 
 
 def prompt(i: int, length: int) -> list[int]:

@@ -70,6 +70,11 @@ LIFECYCLEMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_lifecycle")
 INVARIANTS = _SG.source_file(_SG.INVARIANTS)
 RUNTIME_CHECKER = _SG.source_file(_SG.RUNTIME_CHECKER)
 DIGESTMOD = _SG.source_file(f"{_SG.PD}.common.pd_digest")
+GATEMOD = _SG.source_file(f"{_SG.PD}.pd_gate")  # not in common/: disaggregation/utils.py imports it
+MEM_COMMON = _SG.source_file(_SG.MEM_COMMON)
+RADIX = _SG.source_file(_SG.RADIX)
+UNIFIED_RADIX = _SG.source_file(_SG.UNIFIED_RADIX)
+ALLOC_BASE = _SG.source_file(_SG.ALLOC_BASE)
 ALLOC_TOKEN = _SG.source_file(_SG.ALLOC_TOKEN)
 ALLOC_PAGED = _SG.source_file(_SG.ALLOC_PAGED)
 
@@ -434,14 +439,16 @@ PAGED_RELEASE = "    def _release_page_ids(self, *page_ids: torch.Tensor):\n"
 PD_PAGE_TAGS = with_bundle("pd_page_tags.py", ("NOT_HANDLED", "DONE", "LedgerOps", "ledger_library", "StrEnum"))
 
 
-def page_tags_patch(indent: str) -> tuple[str, str, list]:
-    """The page-tag patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call)."""
+def page_tags_patch(indent: str, gated: bool = True) -> tuple[str, str, list]:
+    """The page-tag patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call; ``gated``:
+    the series has the commit gate, which runs the check; else it runs at the commit)."""
     anchor, replacement = page_tags_publish(indent)
+    check = [] if gated else [(DECODE, COMMIT_ANCHOR, PAGE_TAGS_CHECK_CALL + COMMIT_ANCHOR)]
     return ("page-ownership-tags", H_PAGE_TAGS, [
         (PAGETAGMOD, None, PD_PAGE_TAGS),
         (DECODE, "from sglang.srt.environ import envs\n", PAGE_TAGS_IMPORT + "from sglang.srt.environ import envs\n"),
         (DECODE, anchor, replacement),
-        (DECODE, COMMIT_ANCHOR, PAGE_TAGS_CHECK_CALL + COMMIT_ANCHOR),
+        *check,
         (ALLOC_TOKEN, TOKEN_FREE, TOKEN_FREE + "        pd_page_tags.note_freed(self, free_index)  # sglang-harden backport\n"),
         (ALLOC_PAGED, PAGED_RELEASE, PAGED_RELEASE + "        pd_page_tags.note_freed(self, *page_ids)  # sglang-harden backport\n"),
         (ALLOC_TOKEN, "import torch\n", "import torch\n\n" + PAGE_TAGS_IMPORT),
@@ -475,16 +482,18 @@ CANARY_CHECK_CALL = commit_refusal_block(
 PD_CANARY = with_bundle("pd_canary.py", ("StrEnum",))
 
 
-def canary_patch(indent: str) -> tuple[str, str, list]:
-    """The canary patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call)."""
+def canary_patch(indent: str, gated: bool = True) -> tuple[str, str, list]:
+    """The canary patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call; ``gated``: the
+    series has the commit gate, which runs the check; else it runs at the commit)."""
     call = page_tags_publish(indent)[0]
     stamp = prealloc_call(indent, "stamp the pages before their indices leave (kv canary).",
                           "pd_canary.stamp_before_send", "self.token_to_kv_pool_allocator.get_kvcache()")
+    check = [] if gated else [(DECODE, COMMIT_ANCHOR, CANARY_CHECK_CALL + COMMIT_ANCHOR)]
     return ("kv-canary", H_CANARY, [
         (CANARYMOD, None, PD_CANARY),
         (DECODE, "from sglang.srt.environ import envs\n", CANARY_IMPORT + "from sglang.srt.environ import envs\n"),
         (DECODE, call, stamp + call),
-        (DECODE, COMMIT_ANCHOR, CANARY_CHECK_CALL + COMMIT_ANCHOR),
+        *check,
     ])
 
 
@@ -591,10 +600,12 @@ QUARANTINE_DOOR_METHOD = '''    def _quarantine_full(self, req: Req) -> bool:
 DEFERRED_SENTENCE = " Deferred\ndecode KV release (prefill's drain acknowledgements) is turned on\non both roles."
 
 
-def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True) -> tuple[str, str, list]:
+def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True,
+                    free_contexts: tuple = ()) -> tuple[str, str, list]:
     """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
     ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522;
-    ``deferred_release``: the release has SGLang's deferred decode KV release switch, which the patch turns on)."""
+    ``deferred_release``: the release has SGLang's deferred decode KV release switch, which the patch turns on;
+    ``free_contexts``: the decorators that say why SGLang frees, FREE_CONTEXTS_05xx, where the series has them)."""
     call = page_tags_publish(indent)[0]
     publish = prealloc_call(indent, "these pages are being written until the transfer commits.",
                             "pd_lifecycle.note_published", "self.token_to_kv_pool_allocator")
@@ -630,6 +641,7 @@ def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True)
         (MOONCAKE, MOONCAKE_FAILED_SEND, MOONCAKE_FAILED_SEND.replace(
             "if ret != 0:\n", "if ret != 0:\n                            pd_lifecycle.note_failed_write(kv_chunk.room)"
             "  # sglang-harden backport\n")),
+        *free_contexts,
     ]
     return "page-lifecycle", header, [e for e in edits if deferred_release or e[1] != DEFERRED_FLAG]
 
@@ -672,14 +684,16 @@ REJECTION_ROUTES = "        pd_rejections.add_routes(self.app)  # sglang-harden 
 
 def digest_patch(header: str = H_DIGEST, prefill: tuple[str, str] = (COVERAGE_IMPORT_PREFILL, COVERAGE_PUBLISH),
                  board: tuple[str, str] = (CONN, "from sglang.srt.disaggregation.utils import (\n"),
-                 decode: tuple[str, str, str] = ("from sglang.srt.environ import envs\n", COMMIT_ANCHOR,
-                                                 DIGEST_CHECK_CALL)) -> tuple[str, str, list]:
-    """The KV digest patch (defaults: the 0.5.19+ series). ``prefill``: the coverage patch's import and publish
-    block there; ``board``: the bootstrap server's file and an import anchor in it; ``decode``: an import anchor, the
-    commit point and the check that goes before it."""
+                 decode: tuple[str, str, str] | None = None) -> tuple[str, str, list]:
+    """The KV digest patch (defaults: the 0.5.19+ series, whose commit gate runs the check). ``prefill``: the
+    coverage patch's import and publish block there; ``board``: the bootstrap server's file and an import anchor in
+    it; ``decode`` (series without the gate): an import anchor, the commit point and the check that goes before it."""
     coverage_import, coverage_publish = prefill
     board_file, board_import = board
-    decode_import, commit, check = decode
+    checks = []
+    if decode is not None:
+        decode_import, commit, check = decode
+        checks = [(DECODE, decode_import, DIGEST_IMPORT + decode_import), (DECODE, commit, check + commit)]
     return ("kv-digest", header, [
         (DIGESTMOD, None, PD_DIGEST),
         (PREFILL, coverage_import, coverage_import + DIGEST_IMPORT),
@@ -687,9 +701,129 @@ def digest_patch(header: str = H_DIGEST, prefill: tuple[str, str] = (COVERAGE_IM
         (board_file, board_import, DIGEST_IMPORT + board_import),
         (board_file, REJECTION_ROUTES, REJECTION_ROUTES +
          "        pd_digest.add_routes(self.app)  # sglang-harden backport: the KV digest board\n"),
-        (DECODE, decode_import, DIGEST_IMPORT + decode_import),
-        (DECODE, commit, check + commit),
+        *checks,
     ])
+
+
+UNGATED_DIGEST_CHECK = ("from sglang.srt.environ import envs\n", COMMIT_ANCHOR, DIGEST_CHECK_CALL)
+
+
+# ---- the commit gate (0.5.19+): the checks that read GPU memory decide from copies that landed, never waiting
+
+H_GATE = """\
+sglang-harden backport: decode's commit gate (GPU checks never make the scheduler wait)
+
+What: a new module disaggregation/pd_gate.py (sglang-harden's own commit gate, generated into
+it). Where SGLang polls every receiver before the polls are all-reduced across decode's TP ranks
+(_poll_with_failure_injection), a transfer that reports success first has the page-tag, canary and
+KV-digest checks (the next patches' modules) start their device work: the page table row copied to
+pinned memory, the canary markers looked up and the KV digested on a private stream, prefill's digest
+fetched by a pool thread. It answers Transferring until every check decided from what landed on the
+host (asked each scheduler pass, never waited on). A refusal fails the transfer with its reason on
+that rank; the MIN all-reduce fails it on every rank, and SGLang aborts the request with 500 before
+its first decode step. A transfer that reaches _commit_transfer_to_req without passing the gate (a
+poll path it does not see) is judged there, waiting, and never committed unjudged.
+
+Why: the checks read what decode's GPU holds. Reading it at the commit made the scheduler thread wait
+for the stream while the next forward was in flight (a host synchronisation per request), and the
+canary and digest waited for the whole device (torch.cuda.synchronize) or for prefill's digest.
+"""
+
+GATE_IMPORT = "from sglang.srt.disaggregation import pd_gate\n"
+PD_GATE = with_bundle("pd_gate.py", ("StrEnum",))
+POLLS_RETURN = "    return [int(poller.poll()) for poller in pollers]\n"
+QUEUE_START = POP_TRANSFERRED + "        if not self.queue:\n            return []\n"
+GATE_CHECK_CALL = (
+    "        if not _is_fake_transfer(decode_req.req):\n"
+    "            # sglang-harden backport: a transfer that did not pass the commit gate is judged now.\n"
+    "            gate_refusal = pd_gate.refusal_at_commit(self, decode_req)\n"
+    "            if gate_refusal is not None:\n"
+    "                prepare_abort(\n"
+    "                    decode_req.req,\n"
+    "                    gate_refusal,\n"
+    "                    status_code=HTTPStatus.INTERNAL_SERVER_ERROR,\n"
+    "                )\n"
+    "                decode_req.kv_receiver.clear()\n"
+    "                decode_req.kv_receiver = None\n"
+    "                return\n\n")
+
+
+def gate_patch() -> tuple[str, str, list]:
+    """The commit-gate patch of the 0.5.19+ series (before the page-tag, canary and digest patches)."""
+    return ("commit-gate", H_GATE, [
+        (GATEMOD, None, PD_GATE),
+        (UTILS, "from sglang.srt.environ import envs\n", GATE_IMPORT + "from sglang.srt.environ import envs\n"),
+        (UTILS, POLLS_RETURN, "    polls = [int(poller.poll()) for poller in pollers]\n"
+         "    return pd_gate.judge_polls(pollers, polls)  # sglang-harden backport: the commit gate\n"),
+        (DECODE, "from sglang.srt.environ import envs\n", GATE_IMPORT + "from sglang.srt.environ import envs\n"),
+        (DECODE, QUEUE_START, QUEUE_START + "        pd_gate.see_queue(self)  # sglang-harden backport: the commit gate\n"),
+        (DECODE, COMMIT_ANCHOR, GATE_CHECK_CALL + COMMIT_ANCHOR),
+    ])
+
+
+# ---- the page lifecycle's free path judged by why SGLang frees (0.5.19+): decorators on where it frees from
+
+FREE_CONTEXT_IMPORT = "\nimport torch\n"
+
+
+def _decorated(rel: str, definition: str, decorator: str, indent: str = "    ") -> tuple[str, str, str]:
+    return (rel, definition, f"{indent}@pd_lifecycle.{decorator}  # sglang-harden backport: why these frees\n"
+            + definition)
+
+
+def free_context_edits(release_def: str, tree_caching: str, unified_caching: str, unified_evict_for_alloc: str,
+                       paged_group_end_body: str) -> list:
+    """The lifecycle patch's decorators on the functions SGLang frees KV pages from (0.5.19+): ``release_def``,
+    the ``def release_kv_cache(...)`` line; ``tree_caching`` / ``unified_caching``, the radix and unified caches'
+    caching of an unfinished request (``cache_unfinished_req`` to 0.5.21, ``checkpoint`` from 0.5.22);
+    ``unified_evict_for_alloc``, the unified cache's ``evict_for_alloc`` line; ``paged_group_end_body``, the first
+    body line of the paged allocator's ``free_group_end`` (after ``super().free_group_end()``)."""
+    evict = "    def evict(self, params: EvictParams) -> EvictResult:\n"
+    base_begin = "    def free_group_begin(self):\n"
+    base_end = "    def free_group_end(self):\n        pending, self.free_group = self.free_group, None\n"
+    paged_end = "    def free_group_end(self):\n        super().free_group_end()\n" + paged_group_end_body
+    imported = FREE_CONTEXT_IMPORT + "\n" + LIFECYCLE_IMPORT
+    return [
+        (MEM_COMMON, FREE_CONTEXT_IMPORT, imported),
+        _decorated(MEM_COMMON, release_def, "releases_request", indent=""),
+        (RADIX, "\nimport heapq\n", "\nimport heapq\n\n" + LIFECYCLE_IMPORT),
+        _decorated(RADIX, evict, "evicts"),
+        _decorated(RADIX, tree_caching, "caches_request"),
+        (UNIFIED_RADIX, FREE_CONTEXT_IMPORT, imported),
+        _decorated(UNIFIED_RADIX, evict, "evicts"),
+        _decorated(UNIFIED_RADIX, unified_evict_for_alloc, "evicts"),
+        _decorated(UNIFIED_RADIX, unified_caching, "caches_request"),
+        (ALLOC_BASE, FREE_CONTEXT_IMPORT, imported),
+        _decorated(ALLOC_BASE, base_begin, "begins_free_group"),
+        _decorated(ALLOC_BASE, base_end, "ends_free_group"),
+        _decorated(ALLOC_PAGED, paged_end, "ends_free_group"),
+    ]
+
+
+FREE_CONTEXTS_0519 = free_context_edits(
+    "def release_kv_cache(req: Req, tree_cache: BasePrefixCache, is_insert: bool = True):\n",
+    "    def cache_unfinished_req(self, req: Req, chunked=False):\n",
+    "    def cache_unfinished_req(self, req: Req, chunked: bool = False, **kwargs) -> None:\n",
+    "    def evict_for_alloc(self, params: EvictParams) -> EvictResult:\n",
+    "        if self.free_page_reps_group:\n")
+FREE_CONTEXTS_0520 = free_context_edits(
+    "def release_kv_cache(req: Req, tree_cache: BasePrefixCache, is_insert: bool = True):\n",
+    "    def cache_unfinished_req(self, req: Req, chunked=False):\n",
+    "    def cache_unfinished_req(self, req: Req, chunked: bool = False, **kwargs) -> None:\n",
+    "    def evict_for_alloc(self, params: EvictParams) -> EvictResult:\n",
+    "        if self.free_page_ids_group:\n")
+FREE_CONTEXTS_0522 = free_context_edits(
+    "def release_kv_cache(req: Req, tree_cache: BasePrefixCache, *, checkpoint: bool):\n",
+    "    def checkpoint(self, req: Req, *, up_to: int):\n",
+    "    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:\n",
+    "    def evict_for_alloc(self, params: EvictParams) -> EvictResult:\n",
+    "        if self.free_page_ids_group:\n")
+FREE_CONTEXTS_0523 = free_context_edits(
+    "def release_kv_cache(req: Req, tree_cache: BasePrefixCache, *, checkpoint: bool):\n",
+    "    def checkpoint(self, req: Req, *, up_to: int):\n",
+    "    def checkpoint(self, req: Req, *, up_to: int, **kwargs) -> None:\n",
+    "    def evict_for_alloc(\n",
+    "        if self.free_page_ids_group:\n")
 
 
 # ---- the page lifecycle on releases with no abort notice from decode (0.4.x, 0.5.10.post1): its own messages

@@ -8,9 +8,12 @@ incident's stale page) aborts the request with 500 before its first decode step.
   backend (``send_metadata``, any backend), a fresh 64-bit marker is written into the first token row of each
   page, in the first layer's K and the last layer's V buffer. A transfer writes whole pages, so it erases every
   marker of a page it wrote.
-- ``refusal_at_commit``: before ``_commit_transfer_to_req`` commits, a page whose slot still holds the marker was
-  never written. Every decode TP rank checks its own shard; the ranks agree (any rank's refusal aborts on all) so
-  that they keep committing the same requests.
+- ``GATE_STEP`` (the commit-gate patch's, 0.5.19+): when the transfer reports success, the markers are looked up
+  on a private stream and the answer copied to pinned memory; the gate decides once it landed, without the
+  scheduler waiting for the GPU, and a refusal fails the transfer on every TP rank;
+- ``refusal_at_commit`` (series without the gate): before ``_commit_transfer_to_req`` commits, a page whose slot
+  still holds the marker was never written. Every decode TP rank checks its own shard; the ranks agree (any rank's
+  refusal aborts on all) so that they keep committing the same requests.
 
 The markers, the check and the decision are sglang-harden's own code (``guards/canary.py``,
 ``kernels/canary_stamps.py``), put in below when the series is generated, so a patched and a plugin decode judge
@@ -51,9 +54,12 @@ def stamp_before_send(pool: Any, receiver: Any, page_indices: Any) -> None:
         return  # once per room: re-stamping pages with a transfer in flight could erase a write
     pages = [int(p) for p in page_indices]
     marker = new_marker(str(room))
-    stamp(canary_buffers(pool), stamp_slots(pages, int(pool.page_size)), marker)
-    STAMPS.add(int(room), Stamp(marker, tuple(pages)))
+    slots = stamp(canary_buffers(pool), stamp_slots(pages, int(pool.page_size)), marker)
+    STAMPS.add(int(room), Stamp(marker, tuple(pages), slots))
     POOL = pool
+
+
+GATE_STEP = CanaryGateStep(STAMPS, lambda: POOL)
 
 
 def refusal_at_commit(req: Any, group: Any) -> str | None:

@@ -5,15 +5,18 @@ KV head, to what prefill digested over the rows it sent; a mismatch (a flipped b
 a page left out) aborts the request with 500 before its first decode step. A publishing prefill whose digest does
 not arrive in time leaves nothing to verify against: decode refuses the request (fails closed).
 
-- ``publish_before_final_send`` (prefill, ``send_kv_chunk`` on the last chunk): this rank digests the request's KV
-  rows for the range it sends (decode's cached prefix to the end) and a background thread posts the packed shard to
-  its own bootstrap server (or a notice of why there is none);
+- ``publish_before_final_send`` (prefill, ``send_kv_chunk`` on the last chunk): this rank starts its digest of the
+  request's KV rows for the range it sends (decode's cached prefix to the end) on the current stream, and a
+  background thread waits for it and posts the packed shard to its own bootstrap server (or a notice of why there is
+  none): the scheduler never waits for the GPU;
 - ``add_routes`` (the bootstrap server): ``PUT /sglang_harden/digest`` (this host only), ``GET
   /sglang_harden/digests?room=R`` and the feed ``GET /sglang_harden/digest_feed``, the plugin's routes; with the
   control-plane patch's secret every route and request is authenticated like the rest;
-- ``refusal_at_commit`` (decode, before ``_commit_transfer_to_req`` commits): fetch the room's shards from prefill's
-  bootstrap server (waiting up to ``SGLANG_HARDEN_CHECKSUM_WAIT_MS``, default 5000), digest its own rows, compare
-  per head; decode's TP ranks agree (any rank's refusal aborts on all).
+- ``GATE_STEP`` (the commit-gate patch's, 0.5.19+): when the transfer reports success, a pool thread fetches the
+  room's shards from prefill's bootstrap server (waiting up to ``SGLANG_HARDEN_CHECKSUM_WAIT_MS``, default 5000),
+  then decode digests its own rows on a private stream and the gate compares per head once both are on the host; a
+  refusal fails the transfer on every TP rank. ``refusal_at_commit`` (series without the gate): the same at the
+  commit, waiting; decode's TP ranks agree (any rank's refusal aborts on all).
 
 The digest, the wire format, the board, the client and the comparison are sglang-harden's own code
 (``kernels/digest_spec.py``, ``kernels/digest_torch.py``, ``guards/checksum.py``, ``compat/digest_pool.py``,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 
 logger = logging.getLogger(__name__)
@@ -55,7 +59,7 @@ signing = _Signing()
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/kernels/digest_ref.py sglang_harden/kernels/digest_torch.py sglang_harden/guards/checksum.py sglang_harden/compat/digest_pool.py sglang_harden/compat/digest_board.py sglang_harden/channels/http_client.py sglang_harden/compat/digest_channel.py sglang_harden/compat/side_routes.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/digest_spec.py sglang_harden/kernels/digest_ref.py sglang_harden/kernels/digest_torch.py sglang_harden/guards/checksum.py sglang_harden/kernels/device.py sglang_harden/kernels/digest_launch.py sglang_harden/compat/digest_pool.py sglang_harden/compat/digest_board.py sglang_harden/compat/digest_verify.py sglang_harden/channels/http_client.py sglang_harden/compat/digest_channel.py sglang_harden/compat/side_routes.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out
@@ -85,14 +89,27 @@ def _pool_row(req: Any) -> int:
     return int(row if row is not None else req.req_pool_idx)
 
 
+# the torch path of the plugin's kernels (on the host at once; on a GPU the sums, copied without waiting)
+KERNELS = {"on_host": digest_torch, "on_device": sums_torch}
+FETCH_THREADS = 16
+_FETCHER: ThreadPoolExecutor | None = None
+
+
 def _digest_rows(scheduler: Any, row: int, start: int, end: int) -> tuple[ShardDigest | None, str]:
-    """This rank's digest of ``req_to_token[row, start:end]``'s KV rows (the torch path of the plugin's kernels)."""
-    layout, k_buffers, v_buffers, reason = pool_layout(scheduler)
-    if layout is None:
+    """This rank's digest of ``req_to_token[row, start:end]``'s KV rows, waited for (the series without the gate)."""
+    pending, reason = launch_digest_rows(scheduler, row, start, end, **KERNELS)
+    if pending is None:
         return None, reason
-    slots = scheduler.req_to_token_pool.req_to_token[row, start:end].to(k_buffers[0].device).long()
-    digests = digest_torch(k_buffers, v_buffers, slots, layout, start)
-    return ShardDigest(layout, start, len(slots), digests, _tp_rank(scheduler)), ""
+    pending.wait()
+    return pending.shard(), ""
+
+
+def _fetch(addr: str, room: int, enough: Any) -> Any:
+    """Prefill's shards of ``room``, fetched by a pool thread (at most ``WAIT_S``): never the scheduler's."""
+    global _FETCHER
+    if _FETCHER is None:
+        _FETCHER = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="sglang-harden-digest-fetch")
+    return _FETCHER.submit(fetch_digests, addr, room, WAIT_S, enough)
 
 
 # ---- prefill
@@ -108,17 +125,17 @@ def publish_before_final_send(scheduler: Any, req: Any, end_idx: Any) -> None:
     if PUBLISHER is None:
         PUBLISHER = DigestPublisher(bootstrap_base_url(scheduler))
     code = NOTICE_NOT_DIGESTIBLE
+    rank = _tp_rank(scheduler)
     try:
         start = int(getattr(req, "disagg_decode_prefix_len", 0) or 0)
-        shard, reason = _digest_rows(scheduler, _pool_row(req), start, int(end_idx))
+        pending, reason = launch_digest_rows(scheduler, _pool_row(req), start, int(end_idx), **KERNELS)
     except Exception as exc:  # noqa: BLE001 - never break a send; decode is told and refuses the request
-        shard, reason, code = None, f"digest failed: {exc!r}", NOTICE_FAILED
-    if shard is None:
+        pending, reason, code = None, f"digest failed: {exc!r}", NOTICE_FAILED
+    if pending is None:
         log.warning("sglang-harden checksum: no KV digest for request %s: %s", req.rid, reason)
-        rank = _tp_rank(scheduler)
         PUBLISHER.publish(PublishedShard(int(room), rank, tuple(pack_notice(rank, code))))
     else:
-        PUBLISHER.publish(PublishedShard(int(room), shard.rank, tuple(pack_shard(shard))))
+        PUBLISHER.publish_when_ready(lambda: published_when_landed(int(room), rank, pending))
 
 
 # ---- prefill's bootstrap server
@@ -220,3 +237,4 @@ def _agreed(group: Any, local: Decision, rid: str) -> Decision:
 
 
 AGREE_TIMEOUT_S = 10.0
+GATE_STEP = ChecksumGateStep(_pool_row, _fetch, **KERNELS)

@@ -12,7 +12,13 @@ decode
   ``send_metadata``, any backend): the pages are reserved for ``room:<bootstrap_room>`` and being written;
 - ``note_committed`` (the transfer queue is about to commit a transfer that reported Success): pages written;
 - ``pages_to_free`` / ``page_ids_to_free`` (the token and paged allocators' free paths): a page still being written
-  by a writer that has not drained is kept back (quarantine) and prefill is asked for its drain acknowledgement;
+  by a writer that has not drained is kept back (quarantine) and prefill is asked for its drain acknowledgement.
+  The freed index lives on the GPU; the free is judged by why SGLang frees (``releasing`` around
+  ``release_kv_cache``, ``evicting`` around the tree caches' evictions, ``group_begins`` / ``group_flush`` around
+  the allocators' free groups): a request whose transfer may still write has its whole free kept back and the
+  transfer's pages quarantined from the ledger's own copy of them; a committed request's free and an eviction pass
+  (the ledger learns of them from a copy to pinned memory, without the scheduler waiting); only a free nobody can
+  attribute while a transfer is in flight is read on the host (series without those edits: every such free);
 - ``note_ack`` (``CommonKVManager.note_abort_ack``) and ``note_sender_gone`` (``_handle_node_failure``): drain
   evidence, from the receiver threads;
 - ``release_drained`` (``DecodeTransferQueue.pop_transferred``, the scheduler thread): quarantined pages whose
@@ -44,11 +50,15 @@ below when the series is generated, so a patched and a plugin node judge alike. 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from enum import Enum
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +80,7 @@ def ledger_library() -> None:
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py sglang_harden/compat/drain_ack.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py sglang_harden/compat/drain_ack.py sglang_harden/kernels/device.py sglang_harden/compat/free_context.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out
@@ -110,6 +120,13 @@ def _as_pages(indices: Any) -> Any:
     return np.array(indices, dtype=np.int64).reshape(-1)
 
 
+class HeldFree:
+    """A free SGLang asked for that the guard keeps back whole (a device-side copy of the index, never read)."""
+
+    def __init__(self, release: Callable[[Any], Any], index: Any, tokens: int) -> None:
+        self.release, self.index, self.tokens = release, index, tokens
+
+
 class Transfer:
     """One request's transfer into decode's pages: who may write them and which acknowledgements end that."""
 
@@ -127,6 +144,8 @@ class DecodeLifecycle:
         self.page_size = int(getattr(allocator, "page_size", 1) or 1)
         self.ledger = PageLedger(int(allocator.size) // self.page_size + 2, native=False)
         self.transfers: dict[str, Transfer] = {}
+        self.held: dict[str, list[HeldFree]] = {}  # owner -> frees kept back until its writer drains
+        self.learning: list[HostCopy] = []  # frees that passed, on their way to the host
         self._acks: dict[int, set[int]] = {}
         self._gone: set[str] = set()
         self._lock = threading.Lock()
@@ -135,8 +154,9 @@ class DecodeLifecycle:
     def publish(self, room: int, pages: Any, required_acks: int, addr: str, receiver: Any) -> str | None:
         """Reserve ``pages`` for the room's transfer; the reason it cannot, or None."""
         owner = f"room:{room}"
+        self.apply_learned()
         try:
-            self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+            self._reserve(owner, pages)
         except LedgerError as exc:
             return f"destination page not free in the page ledger when handed to the transfer: {exc}"
         with self._lock:
@@ -144,10 +164,57 @@ class DecodeLifecycle:
         self.transfers[owner] = Transfer(room, pages, required_acks, addr, receiver)
         return None
 
+    def _reserve(self, owner: str, pages: Any) -> None:
+        try:
+            self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+            return
+        except LedgerError:
+            if not self.learning:
+                raise
+        self.apply_learned(wait=True)  # a free not yet learned: wait for its copy (a rare host synchronisation)
+        self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+
     def commit(self, room: int) -> None:
         transfer = self.transfers.pop(f"room:{room}", None)
         if transfer is not None:
             self.ledger.move_bulk(f"room:{room}", transfer.pages, PageState.WRITTEN)
+
+    def in_flight(self, room: int | None) -> Transfer | None:
+        """The room's transfer while a write into its pages may still come (published, not committed)."""
+        return self.transfers.get(f"room:{room}") if room is not None else None
+
+    def any_in_flight(self) -> bool:
+        return bool(self.transfers)
+
+    # ---- frees judged without reading the index (scheduler thread)
+    def hold_release(self, owner: str, held: HeldFree) -> bool:
+        """Quarantine the pages of ``owner``'s transfer (its host copy of them) and keep ``held`` back until the
+        writer drains; False: nothing to keep (drained, or log mode)."""
+        transfer = self.transfers.get(owner)
+        if transfer is None:
+            return False
+        self._release(owner, transfer.pages)
+        if MODE != "enforce" or owner not in self.ledger.quarantined_owners():
+            return False
+        self.held.setdefault(owner, []).append(held)
+        return True
+
+    def learn(self, index: Any) -> None:
+        if index.numel():
+            self.learning.append(HostCopy.launch([index]))
+            self.apply_learned()
+
+    def apply_learned(self, wait: bool = False) -> None:
+        while self.learning:
+            copy = self.learning[0]
+            if not copy.ready():
+                if not wait:
+                    return
+                copy.wait()
+            self.learning.pop(0)
+            pages = _as_pages(copy.numpy())
+            for owner, owned in self.ledger.owner_groups(pages):
+                self.ledger.release_bulk(owner, owned, writer_drained=True)
 
     # ---- drain evidence (any thread)
     def note_ack(self, room: int, rank: int) -> None:
@@ -216,17 +283,23 @@ class DecodeLifecycle:
                 self._acks.pop(transfer.room, None)
 
     # ---- leaving quarantine (scheduler thread)
-    def drained_pages(self) -> list[int]:
-        """Quarantined pages whose writer drained since the last call; the ledger already counts them free."""
+    def drained_pages(self) -> tuple[list[HeldFree], list[int]]:
+        """The frees kept back for writers that drained since the last call, and those writers' quarantined pages no
+        kept-back free holds; the ledger already counts them free."""
+        given_back: list[HeldFree] = []
         freed: list[int] = []
         for owner in self.ledger.quarantined_owners():
             if self.drained(owner):
                 pages = self.ledger.confirm_drained(owner)
                 logger.warning("sglang-harden lifecycle release: %s KV pages of %s leave quarantine (writer "
                                "drained)", len(pages), owner)
-                freed.extend(pages)
+                held = self.held.pop(owner, None)
+                if held is None:
+                    freed.extend(pages)
+                else:
+                    given_back.extend(held)
                 self._forget(owner)
-        return freed
+        return given_back, freed
 
 
 NODE: DecodeLifecycle | None = None
@@ -270,8 +343,7 @@ def pages_to_free(allocator: Any, free_index: Any) -> Any:
     node = _node_for(allocator)
     if node is None or free_index.numel() == 0:
         return free_index
-    keep = node.keep_back(_as_pages(free_index))
-    return free_index if keep is None else free_index[_torch_mask(~keep, free_index)]
+    return _judged(node, free_index, lambda index: allocator.free(index), 1)
 
 
 def page_ids_to_free(allocator: Any, page_ids: tuple) -> tuple:
@@ -279,36 +351,144 @@ def page_ids_to_free(allocator: Any, page_ids: tuple) -> tuple:
     node = _node_for(allocator)
     if node is None:
         return page_ids
-    passed = []
-    for ids in page_ids:
-        keep = node.keep_back(_as_pages(ids)) if ids.numel() else None
-        passed.append(ids if keep is None else ids[_torch_mask(~keep, ids)])
-    return tuple(passed)
+    return tuple(_judged(node, ids, lambda index: allocator._release_page_ids(index), node.page_size)
+                 if ids.numel() else ids for ids in page_ids)
 
 
-def _torch_mask(mask: Any, like: Any) -> Any:
+def _judged(node: DecodeLifecycle, index: Any, release: Callable[[Any], Any], token_scale: int) -> Any:
+    """What of ``index`` (page numbers) may be freed now, decided by why it is freed (``route``)."""
+    action = route(node)
+    if action == HOLD:
+        transfer = node.in_flight(room_of(current().req))
+        held = HeldFree(release, index.clone(), int(index.numel()) * token_scale)
+        if transfer is not None and node.hold_release(f"room:{transfer.room}", held):
+            return index[:0]
+    if action != READ:
+        node.learn(index)
+        return index
+    pages = _as_pages(index)
+    keep = node.keep_back(pages)
+    if keep is None:
+        return index
+    return index.index_select(0, upload(np.flatnonzero(~keep), index))
+
+
+def _give_back(node: DecodeLifecycle, given_back: list[HeldFree], loose: list[int]) -> None:
+    """Free what was kept back: the kept frees as they were, loose pages uploaded without blocking; the guard's own
+    frees pass its free path unjudged."""
+    with marked(FreeContext(VETTED)):
+        for held in given_back:
+            held.release(held.index)
+        if not loose:
+            return
+        allocator = node.allocator
+        index = _device_index(allocator, loose)
+        if node.page_size == 1:
+            allocator.free(index)
+        elif hasattr(allocator, "_release_page_ids"):
+            allocator._release_page_ids(index)
+        else:  # to 0.5.12 the paged allocator frees token slots (the pages they are on)
+            allocator.free(index * node.page_size)
+
+
+def releases_request(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``release_kv_cache(req, tree_cache, ...)``: the frees inside are ``req``'s."""
+
+    @functools.wraps(func)
+    def release_kv_cache(req: Any, *args: Any, **kwargs: Any) -> Any:
+        with releasing(req):
+            return func(req, *args, **kwargs)
+
+    return release_kv_cache
+
+
+def caches_request(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A tree cache's caching of an unfinished request (``method(self, req, ...)``): the frees inside are ``req``'s."""
+
+    @functools.wraps(func)
+    def method(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        with marked(FreeContext(REQUEST, req)):
+            return func(self, req, *args, **kwargs)
+
+    return method
+
+
+def evicts(func: Callable[..., Any]) -> Callable[..., Any]:
+    """A tree cache's eviction: the frees inside are finished requests' pages."""
+
+    @functools.wraps(func)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        with evicting():
+            return func(*args, **kwargs)
+
+    return method
+
+
+def begins_free_group(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def free_group_begin(*args: Any, **kwargs: Any) -> Any:
+        result = func(*args, **kwargs)
+        group_begins()
+        return result
+
+    return free_group_begin
+
+
+def ends_free_group(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def free_group_end(*args: Any, **kwargs: Any) -> Any:
+        with group_flush():
+            return func(*args, **kwargs)
+
+    return free_group_end
+
+
+def _device_index(allocator: Any, pages: list[int]) -> Any:
+    """``pages`` as an index on the allocator's device, uploaded from pinned memory without blocking."""
+    like = getattr(allocator, "free_pages", None)
+    if like is not None:
+        return upload(np.asarray(pages, dtype=np.int64), like, like.dtype)
     import torch
 
-    return torch.from_numpy(mask).to(like.device)
+    return torch.tensor(pages, dtype=torch.int64, device=allocator.device)
+
+
+@contextmanager
+def releasing(req: Any) -> Iterator[None]:
+    """``release_kv_cache`` of ``req``: the frees inside are that request's."""
+    note_release(NODE, req)
+    with marked(FreeContext(REQUEST, req)):
+        yield
+
+
+@contextmanager
+def evicting() -> Iterator[None]:
+    """A tree cache's eviction: the frees inside are finished requests' pages."""
+    with marked(FreeContext(EVICT)):
+        yield
+
+
+@contextmanager
+def group_flush() -> Iterator[None]:
+    """An allocator's ``free_group_end``: the frees inside are the group's."""
+    context = group_flush_context()
+    if context is None:
+        yield
+        return
+    with marked(context):
+        yield
 
 
 def release_drained() -> None:
-    """Scheduler thread: hand the quarantined pages whose writers drained back to the allocator."""
+    """Scheduler thread: hand the frees and pages kept back for writers that drained back to the allocator."""
     node = NODE
-    if node is None or not node.ledger.quarantined_count():
+    if node is None:
         return
-    pages = node.drained_pages()
-    if not pages:
+    node.apply_learned()
+    if not node.ledger.quarantined_count():
         return
-    import torch
-
-    index = torch.tensor(pages, dtype=torch.int64, device=node.allocator.device)
-    if node.page_size == 1:
-        node.allocator.free(index)
-    elif hasattr(node.allocator, "_release_page_ids"):
-        node.allocator._release_page_ids(index)
-    else:  # to 0.5.12 the paged allocator frees token slots (the pages they are on)
-        node.allocator.free(index * node.page_size)
+    given_back, loose = node.drained_pages()
+    _give_back(node, given_back, loose)
 
 
 def note_ack(room: int, rank: int) -> None:
@@ -338,9 +518,15 @@ def quarantine_refusal() -> str | None:
 
 
 def held_tokens() -> int:
-    """Token slots of decode's pool held in quarantine (SGLang's idle pool check counts them as held)."""
+    """Token slots of decode's pool kept back (SGLang's idle pool check counts them as held): the frees kept back
+    whole, and quarantined pages no kept-back free holds."""
     node = NODE
-    return node.ledger.quarantined_count() * node.page_size if node is not None else 0
+    if node is None:
+        return 0
+    kept = sum(held.tokens for frees in node.held.values() for held in frees)
+    loose = sum(len(node.ledger.quarantined_pages(owner)) for owner in node.ledger.quarantined_owners()
+                if owner not in node.held)
+    return kept + loose * node.page_size
 
 
 def quarantined_pages() -> int:

@@ -8,9 +8,12 @@ Decode keeps a ledger of its KV pages (owner, generation, state), fed from three
 - ``note_published``: the prealloc queue handed a request's destination pages to the transfer backend
   (``send_metadata``, any backend): they are reserved for ``room:<bootstrap_room>`` and being written;
 - ``note_freed``: the KV allocator took pages back (``TokenToKVPoolAllocator.free``,
-  ``PagedTokenToKVPoolAllocator._release_page_ids``): free again, whoever held them;
-- ``refusal_at_commit``: the transfer queue is about to commit a finished transfer: its pages are written; then
-  the request's page table is checked against the ledger.
+  ``PagedTokenToKVPoolAllocator._release_page_ids``): free again, whoever held them. The freed index lives on the
+  GPU: it is copied to pinned memory without the scheduler waiting, and the ledger learns of the free once the
+  copy landed (before the next reservation at the latest);
+- ``GATE_STEP`` (the commit-gate patch's, 0.5.19+): when a transfer reports success, the request's page table row
+  is copied to pinned memory on a private stream; once it landed the transfer's pages are written and the row is
+  checked against the ledger. ``refusal_at_commit`` (series without the gate): the same check at the commit.
 A page the table points at that the request does not own (another request's, or a free page still holding
 whatever its last owner left) is the incident's failure: decode would attend over someone else's KV.
 
@@ -44,7 +47,7 @@ def ledger_library() -> None:
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/page_tags.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/page_tags.py sglang_harden/kernels/device.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out
@@ -54,12 +57,13 @@ MODE = mode_from_env(MODE_ENV)
 
 
 def _as_pages(indices: Any) -> Any:
-    """An index tensor or array as an int64 numpy array of its own (a CUDA tensor is copied to the host)."""
+    """An index array (or a host tensor) as an int64 numpy array of its own (a device tensor would be copied to the
+    host: a synchronisation, on the paths without the gate only)."""
     import numpy as np
 
     if hasattr(indices, "detach"):
         indices = indices.detach().cpu().numpy()
-    return np.array(indices, dtype=np.int64)
+    return np.array(indices, dtype=np.int64).reshape(-1)
 
 
 class DecodePages:
@@ -71,11 +75,13 @@ class DecodePages:
         self.ledger = PageLedger(int(allocator.size) // self.page_size + 2, native=False)
         # room -> (owner, generation, pages), or the reason the pages could not be recorded
         self.transfers: OrderedDict[int, tuple[str, int, Any] | str] = OrderedDict()
+        self.learning: list[HostCopy] = []  # frees on their way to the host
 
     def publish(self, room: int, pages: Any) -> None:
         owner = f"room:{room}"
+        self.apply_learned()
         try:
-            generation = self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+            generation = self._reserve(owner, pages)
             record: tuple[str, int, Any] | str = (owner, generation, pages)
         except LedgerError as exc:
             record = f"destination page not free in the page ledger when handed to the transfer: {exc}"
@@ -84,38 +90,91 @@ class DecodePages:
         while len(self.transfers) > MAX_OPEN_TRANSFERS:
             self.transfers.popitem(last=False)
 
+    def _reserve(self, owner: str, pages: Any) -> int:
+        try:
+            return self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+        except LedgerError:
+            if not self.learning:
+                raise
+        self.apply_learned(wait=True)  # a free not yet learned: wait for its copy (a rare host synchronisation)
+        return self.ledger.reserve_bulk(owner, pages, PageState.WRITING, handed_over=True)
+
+    def learn(self, index: Any) -> None:
+        """The allocator took ``index`` (page numbers) back; the ledger learns of it once the copy lands."""
+        if not hasattr(index, "detach"):  # already on the host
+            self.release(_as_pages(index))
+            return
+        self.learning.append(HostCopy.launch([index]))
+        self.apply_learned()
+
+    def apply_learned(self, wait: bool = False) -> None:
+        while self.learning:
+            copy = self.learning[0]
+            if not copy.ready():
+                if not wait:
+                    return
+                copy.wait()
+            self.learning.pop(0)
+            self.release(_as_pages(copy.numpy()))
+
     def release(self, pages: Any) -> None:
         """Pages back on the allocator's free list: FREE in the ledger, whichever owner held them."""
         for owner, owned in self.ledger.owner_groups(pages):
             self.ledger.release_bulk(owner, owned, writer_drained=True)
 
     def refusal(self, req: Any, req_to_token: Any) -> str | None:
-        """Why the request must not be decoded, or None: the transfer's pages are written, the page table is
-        checked against the ledger."""
-        record = self.transfers.pop(int(req.bootstrap_room), None)
-        if record is None:
-            return f"no record of the pages handed to the transfer of room {req.bootstrap_room}"
-        if isinstance(record, str):
-            return record
-        owner, generation, pages = record
-        self.ledger.move_bulk(owner, pages, PageState.WRITTEN)
-        decision = check_page_table(self.ledger, owner, generation, self._table_pages(req, req_to_token),
-                                    self._prefix_pages(req))
+        """Why the request must not be decoded, or None: the transfer's pages are written, the page table (read
+        now: a host synchronisation) is checked against the ledger."""
+        rows = _as_pages(req_to_token[_pool_idx(req), : len(req.origin_input_ids)])
+        prefix = getattr(req, "prefix_indices", None)
+        decision = self.judge(req, rows, _as_pages(prefix) if prefix is not None and len(prefix) else None)
         return None if decision.allows else decision.reason
 
-    def _table_pages(self, req: Any, req_to_token: Any) -> list[int]:
-        kv = getattr(req, "kv", None)
-        pool_idx = getattr(kv, "req_pool_idx", None) if kv is not None else None
-        if pool_idx is None:
-            pool_idx = req.req_pool_idx
-        rows = _as_pages(req_to_token[pool_idx, : len(req.origin_input_ids)])
-        return distinct(rows // self.page_size).tolist()
+    def judge(self, req: Any, rows: Any, prefix: Any) -> Decision:
+        """The transfer's pages are written; the request's page table ``rows`` (token slots, host) are checked
+        against the ledger, its cached ``prefix`` slots allowed."""
+        rid = str(req.rid)
+        record = self.transfers.pop(int(req.bootstrap_room), None)
+        if record is None or isinstance(record, str):
+            reason = record or f"no record of the pages handed to the transfer of room {req.bootstrap_room}"
+            return Decision(GUARD, Verdict.ABORT, f"request {rid}: {reason}", 500, {"rid": rid})
+        owner, generation, pages = record
+        self.ledger.move_bulk(owner, pages, PageState.WRITTEN)
+        prefix_pages = [] if prefix is None else distinct(prefix // self.page_size).tolist()
+        return check_page_table(self.ledger, owner, generation, distinct(rows // self.page_size).tolist(),
+                                prefix_pages)
 
-    def _prefix_pages(self, req: Any) -> list[int]:
+
+def _pool_idx(req: Any) -> int:
+    kv = getattr(req, "kv", None)
+    pool_idx = getattr(kv, "req_pool_idx", None) if kv is not None else None
+    return int(pool_idx if pool_idx is not None else req.req_pool_idx)
+
+
+class PageTagGateStep:
+    """The commit gate's page-tag step: the request's page table row (and cached prefix) copied to pinned memory on
+    a private stream when the transfer reports success, judged once it landed."""
+
+    def launch(self, queue: Any, decode_req: Any) -> Any:
+        req = decode_req.req
+        row = queue.scheduler.req_to_token_pool.req_to_token[_pool_idx(req), : len(req.origin_input_ids)]
         prefix = getattr(req, "prefix_indices", None)
-        if prefix is None or len(prefix) == 0:
-            return []
-        return distinct(_as_pages(prefix) // self.page_size).tolist()
+        tensors = [row] if prefix is None or len(prefix) == 0 else [row, prefix]
+        return HostCopy.launch(tensors, side_stream(row.device) if on_accelerator(row) else None)
+
+    def decide(self, _queue: Any, decode_req: Any, pending: Any) -> Decision | None:
+        if not pending.ready():
+            return None
+        node = NODE
+        if node is None:
+            rid = str(decode_req.req.rid)
+            return Decision(GUARD, Verdict.ABORT, f"request {rid}: no page ledger: no transfer was ever handed "
+                            "pages in this process", 500, {"rid": rid})
+        prefix = _as_pages(pending.numpy(1)) if len(pending) > 1 else None
+        return node.judge(decode_req.req, _as_pages(pending.numpy(0)), prefix)
+
+
+GATE_STEP = PageTagGateStep()
 
 
 NODE: DecodePages | None = None
@@ -142,7 +201,7 @@ def note_freed(allocator: Any, *page_ids: Any) -> None:
         return
     for ids in page_ids:
         if len(ids):
-            node.release(_as_pages(ids))
+            node.learn(ids)
 
 
 def refusal_at_commit(req: Any, req_to_token: Any) -> str | None:

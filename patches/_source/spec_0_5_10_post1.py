@@ -191,4 +191,4 @@ def lifecycle_patch_0510() -> tuple[str, str, list]:
 # The page lifecycle of the 0.5.19 series rests on drain acknowledgements this release does not have: its own
 # version (lifecycle_patch_0510) takes that patch's place.
 PATCHES = [lifecycle_patch_0510() if name == "page-lifecycle" else _with_auth_status(_patch(name, header, list(edits)))
-           for name, header, edits in base.PATCHES]
+           for name, header, edits in base.UNGATED_PATCHES]

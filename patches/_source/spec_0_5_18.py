@@ -3,10 +3,11 @@
 from common_text import (
     DECODE,
     MOONCAKE,
+    UNGATED_DIGEST_CHECK,
     digest_patch,
     lifecycle_patch,
 )
-from spec_0_5_19 import PATCHES as _PATCHES_0519
+from spec_0_5_19 import UNGATED_PATCHES as _PATCHES_0519
 
 FAKE_0519 = "_is_fake_transfer(decode_req.req)"
 FAKE_0518 = "_is_fake_transfer(decode_req.req, self.scheduler.server_args)"
@@ -74,4 +75,4 @@ def _lifecycle_0518() -> tuple:
 
 _SERIES = [patch for patch in _PATCHES_0519 if patch[0] not in ("page-lifecycle", "kv-digest")]
 PATCHES = [(name, header, [_for_0518(edit) for edit in edits])
-           for name, header, edits in [*_SERIES, _lifecycle_0518(), digest_patch()]]
+           for name, header, edits in [*_SERIES, _lifecycle_0518(), digest_patch(decode=UNGATED_DIGEST_CHECK)]]

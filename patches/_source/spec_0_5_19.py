@@ -1,6 +1,6 @@
 from common_text import *  # noqa: F403
 
-PATCHES = [
+_BEFORE_THE_GUARDS = [
     ("admission-at-both-doors", H_ADMISSION, [
         (PREFILL,
          "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
@@ -116,8 +116,21 @@ PATCHES = [
         (TOKENIZER, TOKENIZER_ANCHOR, TOKENIZER_CLAMP),
     ]),
     ("authenticate-control-plane", H_AUTH, auth_edits()),
-    page_tags_patch(" " * 12),
-    canary_patch(" " * 12),
-    lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS),
-    digest_patch(),
 ]
+
+
+def series(gated: bool) -> list:
+    """The series with the commit gate (the GPU checks decide from copies that landed; the free path judged by why
+    SGLang frees) or, for the older releases ported from it (0.5.18, 0.5.10.post1), with the checks at the commit."""
+    return [
+        *_BEFORE_THE_GUARDS,
+        *([gate_patch()] if gated else []),
+        page_tags_patch(" " * 12, gated),
+        canary_patch(" " * 12, gated),
+        lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0519 if gated else ()),
+        digest_patch() if gated else digest_patch(decode=UNGATED_DIGEST_CHECK),
+    ]
+
+
+PATCHES = series(gated=True)
+UNGATED_PATCHES = series(gated=False)

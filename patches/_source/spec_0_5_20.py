@@ -26,8 +26,9 @@ PATCHES = [
         "the final send", "the final send (upstream's _retire_aborted_prefill_result)"), notify_edits),
     _by_name["capacity-gate"],
     _by_name["authenticate-control-plane"],
+    _by_name["commit-gate"],
     _by_name["page-ownership-tags"],
     _by_name["kv-canary"],
-    _by_name["page-lifecycle"],
+    lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
     _by_name["kv-digest"],
 ]

@@ -23,8 +23,9 @@ PATCHES = [
     (notify_name, notify_header, notify_edits),
     _by_name["capacity-gate"],
     _by_name["authenticate-control-plane"],
+    _by_name["commit-gate"],
     page_tags_patch(" " * 8),  # the send_metadata call moved into _send_kv_metadata
     canary_patch(" " * 8),
-    lifecycle_patch(" " * 8, ACK_EDITS_0519 + NIXL_EDITS),
+    lifecycle_patch(" " * 8, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
     digest_patch(),
 ]

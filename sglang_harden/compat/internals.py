@@ -61,3 +61,11 @@ SETUP_ROUTES = (CONN, "CommonKVBootstrapServer._setup_routes")
 BOOTSTRAP_SERVERS = ((CONN, "CommonKVBootstrapServer"), (MOONCAKE, "MooncakeKVBootstrapServer"))
 NOTE_ABORT_ACK = (CONN, "CommonKVManager.note_abort_ack")
 SET_FINISH_WITH_ABORT = (SCHEDULE_BATCH, "Req.set_finish_with_abort")
+# where SGLang polls every KV receiver before the polls are all-reduced across decode's TP ranks (0.5.19+)
+POLL_RECEIVERS = (UTILS, "_poll_with_failure_injection")
+# the backport series' modules whose checks run at decode's commit gate (the series' own modules, in SGLang's tree)
+GATED_CHECK_MODULES = {"page_tags": f"{SRT}.mem_cache.pd_page_tags", "canary": f"{PD}.common.pd_canary",
+                       "checksum": f"{PD}.common.pd_digest"}
+# the backport series' modules that carry sglang-harden's kernels/device.py (the testbed's CUDA simulator tells them
+# which tensors stand for device tensors)
+PATCHED_DEVICE_MODULES = (*GATED_CHECK_MODULES.values(), f"{SRT}.mem_cache.pd_lifecycle")

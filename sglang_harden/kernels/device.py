@@ -37,7 +37,8 @@ def on_accelerator(tensor: Any) -> bool:
     probe = _probe
     if probe is not None:
         return probe(tensor)
-    return tensor.device.type not in HOST_DEVICE_TYPES
+    device = getattr(tensor, "device", "cpu")  # numpy arrays name theirs with a string
+    return getattr(device, "type", device) not in HOST_DEVICE_TYPES
 
 
 def simulate_accelerator(probe: Callable[[Any], bool] | None) -> None:

@@ -2,9 +2,10 @@
 into pinned memory and finalised on the host once they landed (:class:`PendingDigest`).
 
 On a GPU the sums come from ``on_device`` (the plugin passes its cached Triton digester where Triton and CUDA are
-there) or the torch path; on the CPU the digest is computed at once (``on_host``: the plugin's native C path, else
-torch). Bit for bit the same digests either way (:mod:`.digest_spec`). Shared by the plugin and the backport
-series (bundled into its ``pd_digest``).
+there, the backport series the torch path); on the CPU the digest is computed at once by ``on_host`` (the plugin's
+native C path, the series' torch path). Bit for bit the same digests either way (:mod:`.digest_spec`). Shared by the
+plugin and the backport series (bundled into its ``pd_digest``); it imports no kernel itself, so that importing it
+needs no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 from sglang_harden.kernels.device import HostCopy, on_accelerator
 from sglang_harden.kernels.digest_spec import MASK64, KVLayout, ShardDigest, finalize
-from sglang_harden.kernels.digest_torch import sums_torch
 
 # (k_buffers, v_buffers, slots, layout, start_token) -> per-head digests (host) / per-head sums (device tensor)
 HostDigest = Callable[[Sequence[Any], Sequence[Any] | None, Any, KVLayout, int], tuple[int, ...]]
@@ -50,22 +50,18 @@ def _finalized(sums: Sequence[int], layout: KVLayout, start_token: int, n_tokens
 
 
 def launch_digest(k_buffers: Sequence[Any], v_buffers: Sequence[Any] | None, slots: Any, layout: KVLayout,
-                  start_token: int = 0, rank: int = 0, stream: Any = None, *, on_host: HostDigest | None = None,
-                  on_device: DeviceSums | None = None) -> PendingDigest:
+                  start_token: int = 0, rank: int = 0, stream: Any = None, *, on_host: HostDigest,
+                  on_device: DeviceSums) -> PendingDigest:
     """Start the digest of the rows at pool ``slots`` (an int64 tensor on the pool's device) on ``stream`` (None:
     the current one)."""
     n_tokens = int(slots.numel())
     if not on_accelerator(k_buffers[0]):
-        if on_host is not None:
-            digests = on_host(k_buffers, v_buffers, slots, layout, start_token)
-        else:
-            sums = sums_torch(k_buffers, v_buffers, slots, layout, start_token).tolist()
-            digests = _finalized(sums, layout, start_token, n_tokens)
+        digests = on_host(k_buffers, v_buffers, slots, layout, start_token)
         return PendingDigest(layout, start_token, n_tokens, rank, digests=digests)
     import torch
 
     stream = stream if stream is not None else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
-        sums = (on_device or sums_torch)(k_buffers, v_buffers, slots, layout, start_token)
+        sums = on_device(k_buffers, v_buffers, slots, layout, start_token)
         copy = HostCopy.launch([sums], stream)
     return PendingDigest(layout, start_token, n_tokens, rank, sums=copy)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 from sglang_harden.testbed.envs import require_env
-from sglang_harden.testbed.procenv import SHIMS_DIR
+from sglang_harden.testbed.procenv import CHECKOUT, SHIMS_DIR
 from sglang_harden.tools import patch as patch_tool
 
 VERSION_FILES = ("sglang/_version.py", "sglang/version.py")
@@ -52,7 +53,8 @@ TESTBED_QUARANTINE_CAP_PAGES = "1000000"
 
 
 def patched_env(tree: Path) -> dict[str, str]:
-    """The environment of a server running ``tree``: the patched copy first, the plugin off (and the quarantine cap
-    out of the way of the testbed's tiny pools, TESTBED_QUARANTINE_CAP_PAGES)."""
-    return {"SGLANG_HARDEN_ACTIVATE": "0", "PYTHONPATH": f"{tree}:{SHIMS_DIR}",
+    """The environment of a server running ``tree``: the patched copy first, then the test-only shims and the
+    checkout they import (the CUDA simulator; the plugin stays off), and the quarantine cap out of the way of the
+    testbed's tiny pools (TESTBED_QUARANTINE_CAP_PAGES)."""
+    return {"SGLANG_HARDEN_ACTIVATE": "0", "PYTHONPATH": os.pathsep.join(map(str, (tree, SHIMS_DIR, CHECKOUT))),
             "SGLANG_HARDEN_QUARANTINE_CAP_PAGES": TESTBED_QUARANTINE_CAP_PAGES}

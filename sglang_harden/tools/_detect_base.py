@@ -15,10 +15,12 @@ from sglang_harden.compat.internals import (  # noqa: F401 - the detectors impor
     CONN,
     DECODE,
     ENVIRON,
+    GATED_CHECK_MODULES,
     KV_CANARY_MODULES,
     MOONCAKE,
     PAGED_FREE_ONE_MODULE,
     PAGED_RELEASE,
+    POLL_RECEIVERS,
     POP_TRANSFERRED,
     PREFILL,
     SERVER_ARGS,
@@ -204,6 +206,20 @@ def branch_aborts(node: ast.If) -> bool:
     body = ast.Module(body=node.body, type_ignores=[])
     return any(ABORT_CALL_RE.search(call_name(c)) for c in calls(body)) or any(
         isinstance(s, ast.Raise) for s in ast.walk(body))
+
+
+def gated_check(tree: SourceTree, guard: str) -> str | None:
+    """Evidence that the backport series' commit gate runs ``guard``'s check: SGLang polls every receiver through
+    the gate (``judge_polls``) and the guard's module defines the gate's step (``GATE_STEP``); None otherwise."""
+    polls = tree.function(*POLL_RECEIVERS)
+    if polls is None or not any("judge_polls" in call_name(c) for c in calls(polls.node)):
+        return None
+    module = tree.module(GATED_CHECK_MODULES[guard])
+    steps = [n for n in (module.body if module is not None else []) if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "GATE_STEP" for t in n.targets)]
+    if not steps:
+        return None
+    return f"{polls.where} polls every receiver through the commit gate, which runs {guard}'s GATE_STEP"
 
 
 def commit_point(tree: SourceTree) -> FuncRef | None:

@@ -28,6 +28,7 @@ from sglang_harden.tools._detect_base import (
     branch_aborts,
     commit_point,
     dominated_by,
+    gated_check,
     guarded_ifs,
     line_of,
     server_arg_default,
@@ -140,16 +141,18 @@ _DIGEST_PUBLISH_RE = re.compile(r"digest\w*\.publish|publish\w*digest", re.I)
 
 
 def _backported_digest(tree: SourceTree) -> Native | None:
-    """The backport series' digest: decode's commit path aborts on a digest verdict (``pd_digest``), on by default;
-    None when the commit path has no such check."""
+    """The backport series' digest: decode's commit gate or commit path aborts on a digest verdict (``pd_digest``),
+    on by default; None when neither has such a check."""
+    gated = gated_check(tree, "checksum")
     commit = commit_point(tree)
-    if commit is None:
-        return None
-    check = next((hit for ref in tree.reachable(commit, depth=1)
-                  if (hit := aborting_if(ref, _DIGEST_RE)) is not None), None)
-    if check is None:
-        return None
-    evidence = [line_of(commit, check)]
+    if gated is not None:
+        evidence = [gated]
+    else:
+        check = next((hit for ref in tree.reachable(commit, depth=1)
+                      if (hit := aborting_if(ref, _DIGEST_RE)) is not None), None) if commit is not None else None
+        if commit is None or check is None:
+            return None
+        evidence = [line_of(commit, check)]
     prefill = tree.module(PREFILL)
     if prefill is None or not any(_DIGEST_PUBLISH_RE.search(ast.unparse(c.func)) for c in calls(prefill)):
         return Native(PARTIAL, "decode verifies a KV digest but prefill publishes none", evidence)
@@ -209,11 +212,12 @@ def detect_page_ownership(tree: SourceTree) -> Native:
     commit = commit_point(tree)
     if commit is None:
         return Native(UNKNOWN, "DecodeTransferQueue._commit_transfer_to_req and pop_transferred not found")
+    gated = gated_check(tree, "page_tags")
     check = next((hit for ref in tree.reachable(commit, depth=1)
                   if (hit := aborting_if(ref, _OWNERSHIP_RE)) is not None), None)
-    if check is None:
+    if check is None and gated is None:
         return Native(NO, "decode commits without checking whose pages the request reads", [commit.where])
-    evidence = [line_of(commit, check)]
+    evidence = [gated] if gated is not None else [line_of(commit, check)]
     frees = allocator_frees(tree)
     silent = [ref.where for ref in frees if not any(_LEDGER_CALL_RE.search(call_name(c)) for c in calls(ref.node))]
     if silent or not frees:

@@ -23,6 +23,7 @@ from sglang_harden.tools._detect_base import (
     backend_modules,
     commit_point,
     env_default,
+    gated_check,
     line_of,
     sender_classes,
     server_arg_default,
@@ -63,6 +64,10 @@ _CANARY_RE = re.compile(r"canary", re.I)
 
 
 def detect_kv_canary(tree: SourceTree) -> Native:
+    gated = gated_check(tree, "canary")
+    if gated is not None:
+        return Native(YES, "decode's commit gate checks its canary stamps before commit (backport)", [gated],
+                      switch="SGLANG_HARDEN_CANARY", default="enforce")
     commit = commit_point(tree)
     patched = next((hit for ref in tree.reachable(commit, depth=1) if (hit := aborting_if(ref, _CANARY_RE))),
                    None) if commit is not None else None

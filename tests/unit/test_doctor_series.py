@@ -26,7 +26,9 @@ MODULES = {  # the series' module -> the detector that must recognise it
     "sglang/srt/disaggregation/common/pd_canary.py": detect_kv_canary,
     "sglang/srt/disaggregation/common/pd_digest.py": detect_kv_checksum,
 }
-COMMIT_POINTS = ("_commit_transfer_to_req", "pop_transferred")
+# where a series checks a transfer before decode uses it: at the commit, or (0.5.19+) at the commit gate, through which
+# SGLang polls every receiver
+COMMIT_POINTS = ("_commit_transfer_to_req", "pop_transferred", "_poll_with_failure_injection")
 
 
 def _series_detectors(pin: str) -> list[Callable[[SourceTree], object]]:

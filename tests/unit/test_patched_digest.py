@@ -81,6 +81,9 @@ class Board:
     def publish(self, shard: Any) -> None:
         self.posted[shard.rank] = shard.values
 
+    def publish_when_ready(self, make: Any) -> None:
+        self.publish(make())  # the publisher's thread would make it; here, at once
+
     def fetch(self, addr: str, room: int, wait_s: float, enough: Any) -> Any:
         return self.module.Fetched(dict(self.posted))
 
@@ -156,10 +159,10 @@ def test_the_patched_shard_is_the_plugins(digest: ModuleType, monkeypatch: pytes
 
 
 def test_doctor_sees_the_backported_digest(trees: dict[str, Path], tmp_path: Path) -> None:
-    """Patched, decode's commit verifies the digest, on by default; pristine 0.5.19 has none and pristine 0.5.23
+    """Patched, decode's commit gate verifies the digest, on by default; pristine 0.5.19 has none and pristine 0.5.23
     only its own (``_verify_kv_checksums``, opt-in on a full tree)."""
     for pin, tree in trees.items():
         patched = detect_kv_checksum(SourceTree(tree))
-        assert patched.status == "yes" and "_commit_transfer_to_req" in patched.evidence[0], (pin, patched)
+        assert patched.status == "yes" and "commit gate" in patched.evidence[0], (pin, patched)
         pristine = detect_kv_checksum(SourceTree(make_tree(pin, tmp_path / pin)))
         assert not any("_commit_transfer_to_req" in e for e in pristine.evidence), (pin, pristine)

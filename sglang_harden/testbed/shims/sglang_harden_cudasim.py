@@ -58,6 +58,21 @@ def simulate_device(server_args: Any, device: str) -> bool:
     return True
 
 
+def _simulate_in_patched_modules() -> None:
+    """A patched tree's sglang-harden modules carry their own copy of ``kernels/device.py``: each is told which
+    tensors are device tensors too, now or when it is imported."""
+    from sglang_harden.compat.internals import PATCHED_DEVICE_MODULES
+    from sglang_harden.testbed import cudasim
+
+    def tell(module: ModuleType) -> None:
+        probe = getattr(module, "simulate_accelerator", None)
+        if probe is not None:
+            probe(cudasim.is_device)
+
+    for name in PATCHED_DEVICE_MODULES:
+        when_imported(name, tell)
+
+
 def _wrap_init(original: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -66,6 +81,7 @@ def _wrap_init(original: Any) -> Any:
         if str(getattr(server_args, "device", "")) == "cpu":
             device = cudasim.install_mode("cpu")
             simulate_device(server_args, device)
+            _simulate_in_patched_modules()
             logger.info("sglang-harden testbed: CUDA simulator on the scheduler thread (device %r)", device)
         original(self, server_args, *args, **kwargs)
 
