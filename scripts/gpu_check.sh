@@ -6,8 +6,12 @@
 # 2. runs the digest bit-exactness tests on the GPU (Triton and torch CUDA vs the numpy reference) and the
 #    canary stamp tests,
 # 3. runs the digest benchmark on the GPU (Triton and torch vs copy and gather of the same bytes),
+# 4. runs the guards' hot-path steps on CUDA tensors (scripts/gpu_hooks_check.py: canary stamps, the commit gate,
+#    the digest, the page ledger's learning, the free path's decision) under torch.cuda.set_sync_debug_mode("error")
+#    while torch.cuda._sleep keeps the stream busy as a forward would: host microseconds per step, no sync allowed,
 # and writes everything to $OUT (default: ./out/gpu_check): summary.txt, env.txt, pytest.log, junit.xml,
-# bench.json, bench.txt. Exit status: 0 only if the tests passed and the benchmark ran.
+# bench.json, bench.txt, hooks.json. Exit status: 0 only if the tests passed, the benchmark ran and every hook step
+# ran without a host synchronisation.
 #   bash scripts/gpu_check.sh --cpu-dry-run
 # runs the same steps on the CPU with small sizes and installs nothing: CI uses it to keep the script working
 # on machines without a GPU. Its figures are CPU figures and say so.
@@ -41,6 +45,12 @@ if [ $DRY_RUN = 1 ]; then
         say "benchmark ran (CPU, small: not a GPU figure)"
     else
         say "FAIL: benchmark"; tail -20 "$OUT/bench.err" | tee -a "$OUT/summary.txt"; status=1
+    fi
+    if timeout 120 "$PY" scripts/gpu_hooks_check.py --cpu-dry-run --reps 2 --json "$OUT/hooks.json" \
+            >"$OUT/hooks.log" 2>&1; then
+        say "hook steps: no host sync by sglang-harden under the CUDA simulator (CPU figures)"
+    else
+        say "FAIL: hook steps"; tail -20 "$OUT/hooks.log" | tee -a "$OUT/summary.txt"; status=1
     fi
     say "done, status=$status"
     exit $status
@@ -86,6 +96,14 @@ print_table(json.load(open(sys.argv[1])))
 PYEOF
 else
     say "FAIL: benchmark"; tail -20 "$OUT/bench.err" | tee -a "$OUT/summary.txt"; status=1
+fi
+
+say "hook steps on CUDA tensors, sync debug mode 'error', a busy stream"
+if timeout 200 "$PY" scripts/gpu_hooks_check.py --json "$OUT/hooks.json" >"$OUT/hooks.log" 2>&1; then
+    say "hook steps: no host synchronisation"; grep -E '"(stamp|gate|digest|learn|release)"|host_us' "$OUT/hooks.json" \
+        | tr -d ' \n' | tee -a "$OUT/summary.txt"; echo | tee -a "$OUT/summary.txt"
+else
+    say "FAIL: hook steps"; tail -30 "$OUT/hooks.log" | tee -a "$OUT/summary.txt"; status=1
 fi
 say "done, status=$status"
 exit $status

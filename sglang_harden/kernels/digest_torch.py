@@ -78,12 +78,14 @@ _MULTIPLIERS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def multipliers_torch(words: int, device: torch.device) -> torch.Tensor:
-    """The row multipliers on ``device``, uploaded once per (width, device) without the host waiting for the
-    device (a pageable host buffer is staged by the copy call itself)."""
+    """The row multipliers on ``device``, uploaded once per (width, device) from pinned memory, without the host
+    waiting for the device."""
     key = (words, str(device))
     mult = _MULTIPLIERS.get(key)
     if mult is None:
         host = torch.tensor([to_signed64(m) for m in multipliers(words)], dtype=torch.int64)
+        if getattr(device, "type", device) == "cuda":
+            host = host.pin_memory()
         mult = _MULTIPLIERS[key] = host.to(device, non_blocking=True)
     return mult
 

@@ -75,7 +75,10 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert "dry run on the CPU (no GPU figures)" in summary and "status=0" in summary, summary
     assert json.loads((tmp_path / "bench.json").read_text()), "the benchmark wrote its report"
-    assert {p.name for p in tmp_path.iterdir()} >= {"env.txt", "pytest.log", "junit.xml", "bench.json"}
+    hooks = json.loads((tmp_path / "hooks.json").read_text())
+    assert hooks["steps"] and all(step["ok"] for step in hooks["steps"].values()), hooks
+    assert "no host sync by sglang-harden under the CUDA simulator" in summary, summary
+    assert {p.name for p in tmp_path.iterdir()} >= {"env.txt", "pytest.log", "junit.xml", "bench.json", "hooks.json"}
 
 
 def test_gpu_check_refuses_unknown_arguments() -> None:
