@@ -70,6 +70,7 @@ LIFECYCLEMOD = _SG.source_file(f"{_SG.SRT}.mem_cache.pd_lifecycle")
 INVARIANTS = _SG.source_file(_SG.INVARIANTS)
 RUNTIME_CHECKER = _SG.source_file(_SG.RUNTIME_CHECKER)
 DIGESTMOD = _SG.source_file(f"{_SG.PD}.common.pd_digest")
+DIGEST_TRITON_MOD = _SG.source_file(f"{_SG.PD}.common.pd_digest_triton")
 GATEMOD = _SG.source_file(f"{_SG.PD}.pd_gate")  # not in common/: disaggregation/utils.py imports it
 MEM_COMMON = _SG.source_file(_SG.MEM_COMMON)
 RADIX = _SG.source_file(_SG.RADIX)
@@ -649,8 +650,9 @@ def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True,
 H_DIGEST = """\
 sglang-harden backport: per-transfer KV digest (decode commits only the bytes prefill sent)
 
-What: a new module disaggregation/common/pd_digest.py (sglang-harden's own digest, wire format,
-digest board and client, generated into it). On the last chunk, send_kv_chunk digests, per KV head,
+What: new modules disaggregation/common/pd_digest.py (sglang-harden's own digest, wire format,
+digest board and client, generated into it) and pd_digest_triton.py (its Triton kernel, used on CUDA
+where the tree has Triton). On the last chunk, send_kv_chunk digests, per KV head,
 the request's KV rows this prefill rank sends (decode's cached prefix to the end) and a background
 thread posts the packed shard to the rank's own bootstrap server, which keeps a bounded board of
 them (PUT /sglang_harden/digest from this host only; GET /sglang_harden/digests?room=R and the feed
@@ -672,6 +674,7 @@ prefill without it.
 
 DIGEST_IMPORT = "from sglang.srt.disaggregation.common import pd_digest\n"
 PD_DIGEST = with_bundle("pd_digest.py", ("StrEnum", "signing"))
+PD_DIGEST_TRITON = with_bundle("pd_digest_triton.py", ())
 COVERAGE_IMPORT_PREFILL = "from sglang.srt.disaggregation.common.pd_coverage import COVERAGE_SLOT, encode_coverage\n"
 DIGEST_PUBLISH = ("            # sglang-harden backport: this rank's digest of the KV it sends (kv digest).\n"
                   "            pd_digest.publish_before_final_send(self, req, end_idx)\n")
@@ -696,6 +699,7 @@ def digest_patch(header: str = H_DIGEST, prefill: tuple[str, str] = (COVERAGE_IM
         checks = [(DECODE, decode_import, DIGEST_IMPORT + decode_import), (DECODE, commit, check + commit)]
     return ("kv-digest", header, [
         (DIGESTMOD, None, PD_DIGEST),
+        (DIGEST_TRITON_MOD, None, PD_DIGEST_TRITON),
         (PREFILL, coverage_import, coverage_import + DIGEST_IMPORT),
         (PREFILL, coverage_publish, coverage_publish + DIGEST_PUBLISH),
         (board_file, board_import, DIGEST_IMPORT + board_import),

@@ -89,8 +89,20 @@ def _pool_row(req: Any) -> int:
     return int(row if row is not None else req.req_pool_idx)
 
 
-# the torch path of the plugin's kernels (on the host at once; on a GPU the sums, copied without waiting)
-KERNELS = {"on_host": digest_torch, "on_device": sums_torch}
+def _sums_on_device(k_buffers: Any, v_buffers: Any, slots: Any, layout: Any, start: int) -> Any:
+    """The Triton kernel (``pd_digest_triton``) where the pool is on CUDA and the tree has Triton, else torch."""
+    if getattr(k_buffers[0], "is_cuda", False):
+        try:
+            from sglang.srt.disaggregation.common import pd_digest_triton
+        except ImportError:  # no Triton here: the torch path digests alike
+            pass
+        else:
+            return pd_digest_triton.sums(k_buffers, v_buffers, slots, layout, start)
+    return sums_torch(k_buffers, v_buffers, slots, layout, start)
+
+
+# the plugin's kernels (on the host at once; on a GPU the sums, copied without waiting)
+KERNELS = {"on_host": digest_torch, "on_device": _sums_on_device}
 FETCH_THREADS = 16
 _FETCHER: ThreadPoolExecutor | None = None
 

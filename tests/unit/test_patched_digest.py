@@ -166,3 +166,36 @@ def test_doctor_sees_the_backported_digest(trees: dict[str, Path], tmp_path: Pat
         assert patched.status == "yes" and "commit gate" in patched.evidence[0], (pin, patched)
         pristine = detect_kv_checksum(SourceTree(make_tree(pin, tmp_path / pin)))
         assert not any("_commit_transfer_to_req" in e for e in pristine.evidence), (pin, pristine)
+
+
+TRITON_CHILD = """
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("pd_digest_triton", {module!r})
+triton_module = importlib.util.module_from_spec(spec)
+sys.modules["pd_digest_triton"] = triton_module  # Triton's JIT looks its kernels' module up
+spec.loader.exec_module(triton_module)
+layout = triton_module.KVLayout(dtype="bfloat16", head_dim=16, itemsize=2, num_layers=3, kv_halves=2,
+                                total_kv_heads=2, head_start=0, num_heads=2, page_size=1)
+gen = torch.Generator().manual_seed(4)
+k = [torch.randn((64, 2, 16), generator=gen).to(torch.bfloat16) for _ in range(3)]
+v = [torch.randn((64, 2, 16), generator=gen).to(torch.bfloat16) for _ in range(3)]
+slots = torch.arange(3, 23, dtype=torch.int64)
+triton_sums = triton_module.sums(k, v, slots, layout, 5)
+torch_sums = triton_module.sums_torch(k, v, slots, layout, 5)
+assert triton_sums.tolist() == torch_sums.tolist(), (triton_sums, torch_sums)
+print("TRITON_SUMS_OK")
+"""
+
+
+def test_the_series_triton_kernel_sums_as_its_torch_path(trees: dict[str, Path]) -> None:
+    """The series' ``pd_digest_triton`` (used on CUDA where the tree has Triton) gives the torch path's per-head
+    sums, bit for bit (on this CPU host through TRITON_INTERPRET=1, in a child: the flag is read at import)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    module = trees["0.5.23"] / "sglang/srt/disaggregation/common/pd_digest_triton.py"
+    done = subprocess.run([sys.executable, "-c", TRITON_CHILD.format(module=str(module))],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "TRITON_SUMS_OK" in done.stdout, done.stdout + done.stderr
