@@ -97,7 +97,7 @@ def _sums_on_device(k_buffers: Any, v_buffers: Any, slots: Any, layout: Any, sta
         except ImportError:  # no Triton here: the torch path digests alike
             pass
         else:
-            return pd_digest_triton.sums(k_buffers, v_buffers, slots, layout, start)
+            return pd_digest_triton.sums_triton(k_buffers, v_buffers, slots, layout, start)
     return sums_torch(k_buffers, v_buffers, slots, layout, start)
 
 

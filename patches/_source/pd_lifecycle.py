@@ -145,7 +145,7 @@ class DecodeLifecycle:
         self.ledger = PageLedger(int(allocator.size) // self.page_size + 2, native=False)
         self.transfers: dict[str, Transfer] = {}
         self.held: dict[str, list[HeldFree]] = {}  # owner -> frees kept back until its writer drains
-        self.learning: list[HostCopy] = []  # frees that passed, on their way to the host
+        self.learning = LandingQueue()  # frees that passed, on their way to the host
         self._acks: dict[int, set[int]] = {}
         self._gone: set[str] = set()
         self._lock = threading.Lock()
@@ -201,20 +201,15 @@ class DecodeLifecycle:
 
     def learn(self, index: Any) -> None:
         if index.numel():
-            self.learning.append(HostCopy.launch([index]))
+            self.learning.add(HostCopy.launch([index]))
             self.apply_learned()
 
     def apply_learned(self, wait: bool = False) -> None:
-        while self.learning:
-            copy = self.learning[0]
-            if not copy.ready():
-                if not wait:
-                    return
-                copy.wait()
-            self.learning.pop(0)
-            pages = _as_pages(copy.numpy())
-            for owner, owned in self.ledger.owner_groups(pages):
-                self.ledger.release_bulk(owner, owned, writer_drained=True)
+        self.learning.drain(self._learn_freed, wait)
+
+    def _learn_freed(self, pages: Any) -> None:
+        for owner, owned in self.ledger.owner_groups(_as_pages(pages)):
+            self.ledger.release_bulk(owner, owned, writer_drained=True)
 
     # ---- drain evidence (any thread)
     def note_ack(self, room: int, rank: int) -> None:

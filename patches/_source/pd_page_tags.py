@@ -75,7 +75,7 @@ class DecodePages:
         self.ledger = PageLedger(int(allocator.size) // self.page_size + 2, native=False)
         # room -> (owner, generation, pages), or the reason the pages could not be recorded
         self.transfers: OrderedDict[int, tuple[str, int, Any] | str] = OrderedDict()
-        self.learning: list[HostCopy] = []  # frees on their way to the host
+        self.learning = LandingQueue()  # frees on their way to the host
 
     def publish(self, room: int, pages: Any) -> None:
         owner = f"room:{room}"
@@ -104,18 +104,11 @@ class DecodePages:
         if not hasattr(index, "detach"):  # already on the host
             self.release(_as_pages(index))
             return
-        self.learning.append(HostCopy.launch([index]))
+        self.learning.add(HostCopy.launch([index]))
         self.apply_learned()
 
     def apply_learned(self, wait: bool = False) -> None:
-        while self.learning:
-            copy = self.learning[0]
-            if not copy.ready():
-                if not wait:
-                    return
-                copy.wait()
-            self.learning.pop(0)
-            self.release(_as_pages(copy.numpy()))
+        self.learning.drain(lambda pages: self.release(_as_pages(pages)), wait)
 
     def release(self, pages: Any) -> None:
         """Pages back on the allocator's free list: FREE in the ledger, whichever owner held them."""

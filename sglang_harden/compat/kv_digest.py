@@ -46,10 +46,7 @@ logger = logging.getLogger("sglang_harden")
 
 Func = Callable[..., Any]
 FETCH_THREADS = 16
-MAX_DIGESTERS = 8
 _FETCHER: ThreadPoolExecutor | None = None
-_DIGESTERS: dict[tuple[Any, ...], Any] = {}
-_DIGESTERS_LOCK = threading.Lock()
 
 
 class DigestTimer:
@@ -95,24 +92,12 @@ class DigestReader:
 def _triton_sums(k_buffers: Any, v_buffers: Any, slots: Any, layout: Any, start: int) -> Any:
     """The per-head sums from the pool's cached Triton digester (CUDA with Triton), else the torch path."""
     if k_buffers[0].is_cuda and triton_available():
-        return _digester(k_buffers, v_buffers, layout).sums(slots.contiguous(), start)
+        from sglang_harden.kernels.digest_triton import sums_triton
+
+        return sums_triton(k_buffers, v_buffers, slots, layout, start)
     from sglang_harden.kernels.digest_torch import sums_torch
 
     return sums_torch(k_buffers, v_buffers, slots, layout, start)
-
-
-def _digester(k_buffers: Any, v_buffers: Any, layout: Any) -> Any:
-    """The pool's Triton digester, made once (its address table upload blocks, once per pool)."""
-    from sglang_harden.kernels.digest_triton import TritonDigester
-
-    key = (layout, tuple(b.data_ptr() for b in k_buffers), tuple(b.data_ptr() for b in v_buffers or ()))
-    with _DIGESTERS_LOCK:
-        digester = _DIGESTERS.get(key)
-        if digester is None:
-            digester = _DIGESTERS[key] = TritonDigester(k_buffers, v_buffers, layout)
-            while len(_DIGESTERS) > MAX_DIGESTERS:
-                _DIGESTERS.pop(next(iter(_DIGESTERS)))
-        return digester
 
 
 KERNELS: dict[str, Any] = {"on_host": compute_digests, "on_device": _triton_sums}

@@ -21,7 +21,7 @@ from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
 from sglang_harden.guards.base import Decision, Verdict, allow
 from sglang_harden.guards.lifecycle import LedgerError, PageLedger, PageState
-from sglang_harden.kernels.device import HostCopy, on_accelerator
+from sglang_harden.kernels.device import HostCopy, LandingQueue, on_accelerator
 
 logger = logging.getLogger("sglang_harden")
 
@@ -92,7 +92,7 @@ class DecodeNode:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     table_view: tuple[Any, np.ndarray] | None = None  # (req_to_token, its numpy view) when it lives on the CPU
     held: dict[str, list[HeldFree]] = field(default_factory=dict)  # owner -> frees kept back until it drains
-    learning: list[HostCopy] = field(default_factory=list)  # pages SGLang freed, on their way to the host
+    learning: LandingQueue = field(default_factory=LandingQueue)  # pages SGLang freed, on their way to the host
 
     @classmethod
     def for_allocator(cls, allocator: Any, cap: int) -> DecodeNode:
@@ -298,21 +298,14 @@ class DecodeNode:
         """SGLang freed ``index`` (page numbers) without the guard reading it: the ledger learns of it once the
         copy lands on the host (:meth:`apply_learned`)."""
         if index.numel():
-            self.learning.append(HostCopy.launch([index]))
+            self.learning.add(HostCopy.launch([index]))
             self.apply_learned()  # a host index is there at once
 
     def apply_learned(self, wait: bool = False) -> None:
         """Bring the ledger up to date with the frees whose copies landed (in order; ``wait``: all of them, a host
         synchronisation). A page found still being written was freed outside any release the guard can attribute:
         it is too late to keep it back, and that is reported loudly."""
-        while self.learning:
-            copy = self.learning[0]
-            if not copy.ready():
-                if not wait:
-                    return
-                copy.wait()
-            self.learning.pop(0)
-            self._learn_freed(copy.numpy().astype(np.int64, copy=False))
+        self.learning.drain(lambda pages: self._learn_freed(pages.astype(np.int64, copy=False)), wait)
 
     def _learn_freed(self, pages: np.ndarray) -> None:
         if self._usual_free_done(*self.ledger.release_unwritable(pages)):

@@ -125,6 +125,32 @@ class HostCopy:
         return self._host[index]
 
 
+class LandingQueue:
+    """Copies applied in the order they were made, each once it landed: what a page ledger learns of the frees it
+    did not read (``apply(numpy array)``)."""
+
+    def __init__(self) -> None:
+        self.copies: list[HostCopy] = []
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def add(self, copy: HostCopy) -> None:
+        self.copies.append(copy)
+
+    def drain(self, apply: Callable[[Any], None], wait: bool = False) -> None:
+        """Apply the copies that landed, in order, up to the first that has not (``wait``: all of them, waiting: a
+        host synchronisation, for rare paths)."""
+        while self.copies:
+            copy = self.copies[0]
+            if not copy.ready():
+                if not wait:
+                    return
+                copy.wait()
+            self.copies.pop(0)
+            apply(copy.numpy())
+
+
 def upload(array: Any, like: Any, dtype: Any = None) -> Any:
     """``array`` (numpy) as a tensor on ``like``'s device: from pinned memory, without a blocking copy."""
     import torch

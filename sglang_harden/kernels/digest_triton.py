@@ -10,6 +10,7 @@ passed as an int64 table and cast to pointers inside the kernel. Runs on CUDA, a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -147,3 +148,22 @@ def digest_triton(
 ) -> tuple[int, ...]:
     """One-shot form of :class:`TritonDigester` (builds the address table every call)."""
     return TritonDigester(k_buffers, v_buffers, layout).digest(slots, start_token)
+
+
+MAX_DIGESTERS = 8
+_DIGESTERS: dict[tuple, TritonDigester] = {}
+_DIGESTERS_LOCK = threading.Lock()
+
+
+def sums_triton(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor] | None, slots: torch.Tensor,
+                layout: KVLayout, start_token: int = 0) -> torch.Tensor:
+    """Per-head sums on the device (no host synchronisation) from the pool's digester, made once per pool (its
+    address table upload blocks, once)."""
+    key = (layout, tuple(b.data_ptr() for b in k_buffers), tuple(b.data_ptr() for b in v_buffers or ()))
+    with _DIGESTERS_LOCK:
+        digester = _DIGESTERS.get(key)
+        if digester is None:
+            digester = _DIGESTERS[key] = TritonDigester(k_buffers, v_buffers, layout)
+            while len(_DIGESTERS) > MAX_DIGESTERS:
+                _DIGESTERS.pop(next(iter(_DIGESTERS)))
+    return digester.sums(slots.contiguous(), start_token)

@@ -180,7 +180,7 @@ gen = torch.Generator().manual_seed(4)
 k = [torch.randn((64, 2, 16), generator=gen).to(torch.bfloat16) for _ in range(3)]
 v = [torch.randn((64, 2, 16), generator=gen).to(torch.bfloat16) for _ in range(3)]
 slots = torch.arange(3, 23, dtype=torch.int64)
-triton_sums = triton_module.sums(k, v, slots, layout, 5)
+triton_sums = triton_module.sums_triton(k, v, slots, layout, 5)
 torch_sums = triton_module.sums_torch(k, v, slots, layout, 5)
 assert triton_sums.tolist() == torch_sums.tolist(), (triton_sums, torch_sums)
 print("TRITON_SUMS_OK")
