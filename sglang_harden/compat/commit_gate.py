@@ -12,13 +12,7 @@ from typing import Any
 from sglang_harden import events
 from sglang_harden.compat import commit_chain
 from sglang_harden.compat.backends import receiver_poll_hooks
-from sglang_harden.compat.gate import (  # noqa: F401 - the gate's names, used here
-    ORDER,
-    CommitGate,
-    GateWiring,
-    Step,
-    refusal_message,
-)
+from sglang_harden.compat.gate import CommitGate, GateWiring, Step, refusal_message
 from sglang_harden.compat.hooks import Hook
 from sglang_harden.compat.internals import POP_TRANSFERRED
 from sglang_harden.compat.runtime import RUNTIME

@@ -224,7 +224,8 @@ def test_commit_gate_decides_from_landed_copies(sim: Any, unwritten: bool) -> No
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     from sglang_harden.compat import kv_canary
-    from sglang_harden.compat.commit_gate import CommitGate, wiring
+    from sglang_harden.compat.commit_gate import wiring
+    from sglang_harden.compat.gate import CommitGate
     from sglang_harden.compat.runtime import RUNTIME
 
     alloc = _allocator(sim)

@@ -319,7 +319,8 @@ def test_commit_gate_fails_a_transfer_whose_page_table_is_misowned(allocator: An
     transfer (SGLang's failure path then aborts the request on every TP rank) instead of committing it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_harden.compat.commit_gate import CommitGate, wiring
+    from sglang_harden.compat.commit_gate import wiring
+    from sglang_harden.compat.gate import CommitGate
 
     node = DecodeNode.for_allocator(allocator, cap=40)
     lifecycle_v05.NODE = node

@@ -20,7 +20,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import wrap_methods_once
+from sglang_harden_shimkit import reporting_state, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -103,25 +103,14 @@ def _wrap_pass(original: Any) -> Any:
     return take_requests
 
 
-def _wrap_state(original: Any) -> Any:
-    @functools.wraps(original)  # keeps sglang-harden's hook marks visible through this wrapper
-    def get_internal_state(self: Any, recv_req: Any) -> Any:
-        output = original(self, recv_req)
-        state = getattr(output, "internal_state", None)
-        if isinstance(state, dict):
-            try:
-                from sglang_harden.testbed import cudasim
+def _simulator_report(scheduler: Any) -> Any:
+    from sglang_harden.testbed import cudasim
 
-                state["testbed_cudasim"] = cudasim.report()
-            except Exception as exc:  # a reporter must never take the server down
-                state["testbed_cudasim"] = {"error": repr(exc)}
-        return output
-
-    return get_internal_state
+    return cudasim.report()
 
 
 def _patch_scheduler(module: ModuleType) -> None:
-    wrappers = {"__init__": _wrap_init, "get_internal_state": _wrap_state}
+    wrappers = {"__init__": _wrap_init, "get_internal_state": reporting_state("testbed_cudasim", _simulator_report)}
     passes = next((name for name in PASS_METHODS if hasattr(module.Scheduler, name)), None)
     if passes is not None:
         wrappers[passes] = _wrap_pass

@@ -9,11 +9,10 @@ changes nothing. Hooks ``Scheduler.get_internal_state`` (present in every suppor
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import free_page_ids, wrap_methods_once
+from sglang_harden_shimkit import free_page_ids, reporting_state, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -34,23 +33,9 @@ def pool_numbers(scheduler: Any) -> dict[str, int]:
     }
 
 
-def _wrap(original: Any) -> Any:
-    @functools.wraps(original)  # keeps sglang-harden's hook marks visible through this wrapper
-    def get_internal_state(self: Any, recv_req: Any) -> Any:
-        output = original(self, recv_req)
-        state = getattr(output, "internal_state", None)
-        if isinstance(state, dict):
-            try:
-                state["testbed_pool"] = pool_numbers(self)
-            except Exception as exc:  # a reporter must never take the server down
-                state["testbed_pool"] = {"error": repr(exc)}
-        return output
-
-    return get_internal_state
-
-
 def _patch_scheduler(module: ModuleType) -> None:
-    wrap_methods_once(module.Scheduler, "_sglang_harden_poolreport", {"get_internal_state": _wrap})
+    report = reporting_state("testbed_pool", pool_numbers)
+    wrap_methods_once(module.Scheduler, "_sglang_harden_poolreport", {"get_internal_state": report})
 
 
 def install() -> None:

@@ -1,8 +1,10 @@
 """Helpers the test-only shims share: wrap methods of an SGLang class once per process, append a JSON line to the
-trace folder, list the page ids in a KV allocator's free lists."""
+trace folder, add a section to ``/server_info``'s internal state, list the page ids in a KV allocator's free
+lists."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -19,6 +21,27 @@ def wrap_methods_once(cls: type, marker: str, wrappers: Mapping[str, Callable[[A
     for name, wrap in wrappers.items():
         setattr(cls, name, wrap(getattr(cls, name)))
     setattr(cls, marker, True)
+
+
+def reporting_state(key: str, report: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A wrapper for the scheduler's ``get_internal_state`` that adds ``report(scheduler)`` under ``key`` (what
+    ``/server_info`` shows; a failing report shows its error and never takes the server down)."""
+
+    def wrap(original: Any) -> Any:
+        @functools.wraps(original)  # keeps sglang-harden's hook marks visible through this wrapper
+        def get_internal_state(self: Any, recv_req: Any) -> Any:
+            output = original(self, recv_req)
+            state = getattr(output, "internal_state", None)
+            if isinstance(state, dict):
+                try:
+                    state[key] = report(self)
+                except Exception as exc:
+                    state[key] = {"error": repr(exc)}
+            return output
+
+        return get_internal_state
+
+    return wrap
 
 
 def append_trace_line(stem: str, record: Mapping[str, Any]) -> None:
