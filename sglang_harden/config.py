@@ -40,6 +40,8 @@ GUARDS: tuple[str, ...] = (
     "canary",
     "page_tags",
     "bootstrap_auth",
+    "zmq_auth",
+    "side_channels",
 )
 
 
@@ -58,6 +60,11 @@ class HardenConfig:
     canary: Mode = Mode.ENFORCE
     page_tags: Mode = Mode.ENFORCE
     bootstrap_auth: Mode = Mode.ENFORCE
+    # The ZMQ side channels (rank ports): signed and verified with the bootstrap secret (armed only with it);
+    # zmq_sign=False verifies what is signed and signs nothing (the first step of a rollout).
+    zmq_auth: Mode = Mode.ENFORCE
+    zmq_sign: bool = True
+    side_channels: Mode = Mode.ENFORCE
     capacity: CapacityMode = CapacityMode.ENFORCE
     allow_unknown_pin: bool = False
     quarantine_cap_pages: int = 0
@@ -125,7 +132,7 @@ def bootstrap_auth_requested(environ: dict[str, str] | None = None) -> bool:
 
 def _warn_disabled(config: HardenConfig) -> None:
     for guard in GUARDS:
-        if guard == "bootstrap_auth" and not config.bootstrap_secret_file:
+        if guard in ("bootstrap_auth", "zmq_auth") and not config.bootstrap_secret_file:
             continue  # not armed without a secret: the start-up warning says so once
         if config.mode(guard) is not Mode.ENFORCE:
             logger.warning("sglang-harden guard %s is in %s mode", guard, config.mode(guard).value)

@@ -57,10 +57,11 @@ def _prometheus_counter() -> object | None:
     return _prom_counter
 
 
-def record(decision: Decision, mode: Mode, **context: object) -> bool:
+def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: object) -> bool:
     """Count and log ``decision``; return True when the caller must apply it (mode is enforce).
 
-    A guard in ``off`` mode decides nothing: no count, no log line, never applied."""
+    A guard in ``off`` mode decides nothing: no count, no log line, never applied. ``quiet``: counted, no log line
+    (for input an outsider controls, whose caller logs a rate-limited summary instead)."""
     if mode is Mode.OFF:
         return False
     applied = mode is Mode.ENFORCE
@@ -71,7 +72,7 @@ def record(decision: Decision, mode: Mode, **context: object) -> bool:
     if child is not None:
         child.inc()  # type: ignore[attr-defined]
     level = logging.DEBUG if decision.allows else logging.WARNING
-    if logger.isEnabledFor(level):  # an allow on the hot path costs a counter bump, not a JSON dump
+    if not quiet and logger.isEnabledFor(level):  # an allow on the hot path costs a counter bump, not a JSON dump
         logger.log(level, "%s %s", LOG_TAG, _log_line(decision, mode, label, context))
     return applied and not decision.allows
 

@@ -119,6 +119,10 @@ def _register_enabled(family_hooks: list[hooks.Hook]) -> list[hooks.Hook]:
 def _owner_enabled(owner: str) -> bool:
     if owner == "bootstrap_auth":
         return control_auth.configured()  # no secret: nothing to check tokens against, not armed
+    if owner == "zmq_auth":
+        from sglang_harden.compat import zmq_settings
+
+        return zmq_settings.auth_configured()
     if owner == hooks.PAGE_LEDGER_OWNER:  # the lifecycle hooks keep the ledger whenever that guard is on
         return RUNTIME.config.page_tags is not Mode.OFF and RUNTIME.config.lifecycle is Mode.OFF
     return owner not in GUARDS or RUNTIME.config.mode(owner) is not Mode.OFF

@@ -22,6 +22,8 @@ from sglang_harden.compat import (
     kv_digest,
     lifecycle_v05,
     page_tags_v05,
+    zmq_channels,
+    zmq_listeners,
 )
 from sglang_harden.compat.abort_v05 import abort_and_stream, is_aborted
 from sglang_harden.compat.backends import check_backend, needed_on_backend
@@ -254,6 +256,12 @@ def _verify_in_process(role: str, backend: str) -> None:
 
         if not control_auth.signing_client_in_place(sys.modules.get(CONN)):
             gaps.append(f"bootstrap_auth -> {CONN}.requests (signing client)")
+    if "side_channels" in RUNTIME.armed and role in ("prefill", "decode") and backend in backends.BACKEND_MODULES:
+        import sys
+
+        module = backends.BACKEND_MODULES[backend]
+        if not zmq_listeners.listeners_restarting(sys.modules.get(module)):
+            gaps.append(f"side_channels -> {module}.threading (listeners started again)")
     if gaps:
         raise HardenRefusal("sglang-harden: hooks missing in this process: " + "; ".join(gaps))
 
@@ -315,6 +323,7 @@ HOOKS: list[Hook] = [
     *LIFECYCLE_HOOKS,
     *page_tags_v05.HOOKS,
     *lifecycle_v05.ledger_hooks(LIFECYCLE_HOOKS),
+    *zmq_channels.HOOKS,
 ]
 
 # Which scheduler roles must have each owner's hooks in place ("null" = no disaggregation).
@@ -327,11 +336,16 @@ ROLES_BY_OWNER: dict[str, set[str]] = {
     "abort_notify": {"decode"},
     "startup": {"prefill", "decode", "null"},
     "bootstrap_auth": {"prefill", "decode"},
+    "zmq_auth": {"prefill", "decode"},
+    "side_channels": {"prefill", "decode"},
     **lifecycle_v05.ROLES,
 }
 
-MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {TOKENIZER: tokenizer_learns_limit,
-                                                      CONN: control_auth.install_signing_client}
+MODULE_CALLBACKS: dict[str, Callable[[Any], None]] = {
+    TOKENIZER: tokenizer_learns_limit,
+    CONN: control_auth.install_signing_client,
+    **{module: zmq_channels.listeners_restart for module in backends.BACKEND_MODULES.values()},
+}
 
 # Hooks whose targets only some releases of the family have (feature-probed at install); `compat sweep` probes every
 # release for them.

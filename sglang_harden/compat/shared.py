@@ -272,6 +272,7 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
         "max_req_input_len": int(scheduler.max_req_input_len),
         "context_len": int(scheduler.model_config.context_len),
         "control_plane_auth": _control_plane_status(),
+        "side_channel_auth": _side_channel_status(),
         "decisions": events.snapshot(),
     }
 
@@ -280,3 +281,9 @@ def _control_plane_status() -> str:
     from sglang_harden.compat import control_auth  # imported late: a leaf of the family modules
 
     return control_auth.status()
+
+
+def _side_channel_status() -> str:
+    from sglang_harden.compat import zmq_settings  # imported late: a leaf of the family modules
+
+    return zmq_settings.status()

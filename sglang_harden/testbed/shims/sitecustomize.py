@@ -7,7 +7,8 @@ this file too). None of this is product code: it makes GPU-only corners of SGLan
 
 The read-only pool reporter (``sglang_harden_poolreport``) always runs: ``/get_server_info`` shows each
 scheduler's KV allocator occupancy, so tests can check that a node is back to full capacity.
-``SGLANG_HARDEN_TESTBED_KVTRACE_DIR`` additionally turns on the white-box KV tracer (``sglang_harden_kvtrace``).
+``SGLANG_HARDEN_TESTBED_KVTRACE_DIR`` additionally turns on the white-box KV tracer (``sglang_harden_kvtrace``),
+``SGLANG_HARDEN_TESTBED_WIRETAP_DIR`` the side-channel tap (``sglang_harden_wiretap``: rank ports, what is sent).
 """
 
 from __future__ import annotations
@@ -277,6 +278,10 @@ def _main() -> None:
         import sglang_harden_kvtrace
 
         sglang_harden_kvtrace.install()
+    if os.environ.get("SGLANG_HARDEN_TESTBED_WIRETAP_DIR"):
+        import sglang_harden_wiretap
+
+        sglang_harden_wiretap.install()
     if os.environ.get("SGLANG_HARDEN_TESTBED_LATE_WRITE"):
         import sglang_harden_latewrite
 
