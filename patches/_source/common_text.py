@@ -550,21 +550,32 @@ NOTE_ACK_0522 = ("    def note_abort_ack(\n        self, bootstrap_room: int, pr
 SEND_ACK_0522 = ("    def _send_abort_ack(self, room: int, target: AckTarget) -> None:\n"
                  '        """Best-effort ack that this rank\'s transfer for an aborted room drained."""\n')
 SEND_ACK_0522_RESEND = "lambda: self._send_abort_ack(room, target)"
+NOTICE_0519 = "    def _send_abort_notification(self):\n"  # also 0.5.18
+NOTICE_0521 = "    def _send_abort_notification(self, *, force_arm: bool = False):\n"
 POISON_0522 = ("    def poison_deferred_ack_room(self, room: int) -> None:\n"
                '        """Drop an ACK target when the backend cannot prove the room drained."""\n')
 
 
-def _ack_edits(note_ack: str, send_ack: str, resend: str) -> list:
+def notice_arms_acks(notice: str) -> tuple:
+    """Decode's abort notice (``CommonKVReceiver._send_abort_notification``) arms its transfer's drain
+    acknowledgements before it goes out."""
+    return (CONN, notice, notice + "        pd_lifecycle.note_abort_notice(self)  # sglang-harden backport: acks may come\n")
+
+
+def _ack_edits(note_ack: str, send_ack: str, resend: str, notice: str, generation: bool) -> list:
+    args = "bootstrap_room, prefill_rank, generation" if generation else "bootstrap_room, prefill_rank"
     return [
-        (CONN, note_ack, note_ack + "        pd_lifecycle.note_ack(bootstrap_room, prefill_rank)  # sglang-harden backport\n"),
+        (CONN, note_ack, note_ack + f"        pd_lifecycle.note_ack({args})  # sglang-harden backport\n"),
         (CONN, send_ack, send_ack +
          f"        if pd_lifecycle.ack_deferred(room, {resend}):\n"
          "            return  # sglang-harden backport: a failed write of this room may still land\n"),
+        notice_arms_acks(notice),
     ]
 
 
-ACK_EDITS_0519 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND)
-ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND) + [
+ACK_EDITS_0519 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND, NOTICE_0519, generation=False)
+ACK_EDITS_0521 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND, NOTICE_0521, generation=False)
+ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND, NOTICE_0521, generation=True) + [
     (CONN, POISON_0522, POISON_0522 +
      "        if pd_lifecycle.note_failed_write(room):\n"
      "            return  # sglang-harden backport: keep the ACK target; the ACK waits for the write's lifetime\n"),
@@ -604,7 +615,7 @@ DEFERRED_SENTENCE = " Deferred\ndecode KV release (prefill's drain acknowledgeme
 def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True,
                     free_contexts: tuple = ()) -> tuple[str, str, list]:
     """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
-    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522;
+    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519, _0521 or _0522;
     ``deferred_release``: the release has SGLang's deferred decode KV release switch, which the patch turns on;
     ``free_contexts``: the decorators that say why SGLang frees, FREE_CONTEXTS_05xx, where the series has them)."""
     call = page_tags_publish(indent)[0]

@@ -3,9 +3,11 @@
 from common_text import (
     DECODE,
     MOONCAKE,
+    NOTICE_0519,
     UNGATED_DIGEST_CHECK,
     digest_patch,
     lifecycle_patch,
+    notice_arms_acks,
 )
 from spec_0_5_19 import UNGATED_PATCHES as _PATCHES_0519
 
@@ -54,7 +56,8 @@ ACK_EDITS_0518 = [
      "                        continue\n" + ACK_UPSTREAM),
     (MOONCAKE, ACK_RECEIVED, ACK_RECEIVED +
      "                    if len(msg) >= 3:  # sglang-harden backport: a drain acknowledgement names its rank\n"
-     "                        pd_lifecycle.note_ack(ack_aborted_room, int(msg[2].decode(\"ascii\")))\n"),
+     "                        pd_lifecycle.ranked_ack_received(msg)\n"),
+    notice_arms_acks(NOTICE_0519),
 ]
 
 

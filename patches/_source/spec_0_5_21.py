@@ -26,6 +26,6 @@ PATCHES = [
     _by_name["commit-gate"],
     page_tags_patch(" " * 8),  # the send_metadata call moved into _send_kv_metadata
     canary_patch(" " * 8),
-    lifecycle_patch(" " * 8, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
+    lifecycle_patch(" " * 8, ACK_EDITS_0521 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
     digest_patch(),
 ]
