@@ -89,6 +89,7 @@ class DecodeNode:
     transfers: dict[str, Transfer] = field(default_factory=dict)
     by_room: dict[int, Transfer] = field(default_factory=dict)  # the same transfers, by room (the commit's key)
     acks: AckBook = field(default_factory=AckBook)  # the drain acks of the live transfers
+    ignored_acks: int = 0  # written by the receiver thread only
     _gone: set[str] = field(default_factory=set)
     _never_started: dict[tuple[int, str], None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -166,7 +167,11 @@ class DecodeNode:
         every ack that is not is recorded and ignored."""
         decision = self.acks.note(room, rank, generation)
         if decision.verdict is not Verdict.ALLOW:  # a duplicate too (skipped)
-            events.record(decision, RUNTIME.config.lifecycle)
+            events.record(decision, RUNTIME.config.lifecycle, quiet=True)
+            self.ignored_acks += 1
+            if self.ignored_acks & (self.ignored_acks - 1) == 0:  # logged the 1st, 2nd, 4th, 8th ... time
+                logger.warning("sglang-harden lifecycle: drain ack #%d ignored (room %s, rank %s): %s",
+                               self.ignored_acks, room, rank, decision.reason)
         return decision
 
     def arm(self, receiver: Any) -> None:
