@@ -6,6 +6,11 @@ them. The token covers the authority the URL names (``host:port``). An answer th
 request (below 400) reaches SGLang's code as a 502 answer, which every caller already treats as a failed exchange
 (in log mode the signer lets it through and only reports it).
 
+Only requests to SGLang's bootstrap routes (``BOOTSTRAP_PATHS``) are signed and their answers checked: the same
+``requests`` also carries the ``/health`` heartbeat and, on 0.5.23, the retraction's ``/generate`` to prefill's
+HTTP API, whose answers no bootstrap server signs. A bootstrap route a later release adds goes out unsigned and
+the bootstrap server refuses it (401): closed, and visible in the in-process tests of a new pin.
+
 The plugin (``control_auth``) and the backport series (``pd_auth`` bundles this module) use the same code; standard
 library only.
 """
@@ -17,7 +22,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from sglang_harden.compat.control_keys import ControlKeys, CurrentSigner
-from sglang_harden.guards.bootstrap_auth import OPEN_PATHS
+
+# SGLang's bootstrap routes but /health (every release from 0.4.9 to 0.5.23 has a subset of these)
+BOOTSTRAP_PATHS = frozenset({"/route", "/register_dp_rank", "/query_dp_ranks"})
 
 
 def url_authority(url: str) -> str:
@@ -35,7 +42,7 @@ class _SignEach:
 
     def __call__(self, prepared: Any) -> Any:
         target = prepared.path_url
-        if urlsplit(target).path in OPEN_PATHS:
+        if urlsplit(target).path not in BOOTSTRAP_PATHS:
             return prepared
         sent = self._signer.headers(prepared.method or "GET", url_authority(prepared.url), target, prepared.body)
         if sent:

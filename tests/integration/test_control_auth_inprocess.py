@@ -342,8 +342,13 @@ def test_a_forged_route_answer_is_not_trusted(server: dict[str, Any]) -> None:
     fake = _Forger(forged)
     try:
         url = f"http://{fake.addr}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
-        assert server["conn"].requests.get(url, timeout=5).status_code != 200
-        assert server["conn"].requests.Session().get(url, timeout=5).status_code != 200
+        for answer in (server["conn"].requests.get(url, timeout=5),
+                       server["conn"].requests.Session().get(url, timeout=5),
+                       server["conn"].requests.post(f"http://{fake.addr}/query_dp_ranks", json={}, timeout=5)):
+            assert answer.status_code == 502 and "not signed" in answer.text, (answer.status_code, answer.text)
+        api = server["conn"].requests.Session().post(f"http://{fake.addr}/generate", json={}, timeout=5)
+        assert api.status_code == 200, "prefill's HTTP API (0.5.23's retraction /generate) is no bootstrap route"
+        assert HEADER not in api.request.headers
     finally:
         fake.close()
 
