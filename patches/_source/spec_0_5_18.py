@@ -9,6 +9,7 @@ from common_text import (
     lifecycle_patch,
     notice_arms_acks,
 )
+from side_channels_text import side_channels_patch
 from spec_0_5_19 import UNGATED_PATCHES as _PATCHES_0519
 
 FAKE_0519 = "_is_fake_transfer(decode_req.req)"
@@ -78,4 +79,6 @@ def _lifecycle_0518() -> tuple:
 
 _SERIES = [patch for patch in _PATCHES_0519 if patch[0] not in ("page-lifecycle", "kv-digest")]
 PATCHES = [(name, header, [_for_0518(edit) for edit in edits])
-           for name, header, edits in [*_SERIES, _lifecycle_0518(), digest_patch(decode=UNGATED_DIGEST_CHECK)]]
+           for name, header, edits in [*_SERIES, _lifecycle_0518(), digest_patch(decode=UNGATED_DIGEST_CHECK),
+                                          side_channels_patch(daemon_threads=False, polled_recv=False,
+                                                              nixl_decode="decode_staging_thread")]]

@@ -172,6 +172,10 @@ def switch_value(switch: str | None, launch_args: list[str], environ: dict[str, 
         if environ.get("SGLANG_HARDEN_BOOTSTRAP_AUTH", "").strip().lower() == "off":
             return "off"
         return "on" if environ.get(switch, "").strip() else None
+    if switch == P.BACKPORT_ZMQ_SWITCH:  # the backport's side channels: with the control plane's secret, unless off
+        if "off" in (environ.get(switch, "").strip().lower(), switch_value(P.BACKPORT_SECRET_ENV, [], environ)):
+            return "off"
+        return switch_value(P.BACKPORT_SECRET_ENV, [], environ)
     return environ.get(switch)
 
 
@@ -235,7 +239,7 @@ def build_rows(
     if environ.get("SGLANG_HARDEN_ACTIVATE", "").strip() == "0":  # installed but switched off
         modes = dict.fromkeys(modes, "off")
     if control_plane_auth(launch_args, environ, modes) == "unauthenticated":
-        modes = {**modes, "bootstrap_auth": "off"}  # nothing to check tokens against: not armed
+        modes = {**modes, "bootstrap_auth": "off", "zmq_auth": "off"}  # nothing to check tokens against: not armed
     rows = []
     for prot in P.PROTECTIONS:
         native = natives[prot.key]
