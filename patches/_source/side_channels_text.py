@@ -4,7 +4,7 @@ from common_text import _SG, CONN, MOONCAKE, NIXL, with_bundle
 
 SIDEMOD = _SG.source_file(f"{_SG.PD}.common.pd_side_channels")
 MORI = _SG.source_file(_SG.MORI)
-STAGING = _SG.source_file(f"{_SG.PD}.common.staging_handler")
+STAGING = _SG.source_file(_SG.STAGING_HANDLER)
 # names the text above the bundle mark defines for the bundled modules (the plugin's zmq_settings, events, config)
 PROVIDED = ("StrEnum", "Keyring", "Mode", "events", "auth_state", "side_mode")
 PD_SIDE_CHANNELS = with_bundle("pd_side_channels.py", PROVIDED)

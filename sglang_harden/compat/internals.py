@@ -19,6 +19,7 @@ CONN = f"{PD}.common.conn"
 MOONCAKE = f"{PD}.mooncake.conn"
 NIXL = f"{PD}.nixl.conn"
 MORI = f"{PD}.mori.conn"
+STAGING_HANDLER = f"{PD}.common.staging_handler"  # the staging buffer's prefetch (0.5.19+)
 SCHEDULER = f"{SRT}.managers.scheduler"
 SCHEDULE_BATCH = f"{SRT}.managers.schedule_batch"
 TOKENIZER = f"{SRT}.managers.tokenizer_manager"
