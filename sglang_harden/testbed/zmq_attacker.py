@@ -7,7 +7,11 @@ stdout:
 - ``{"op": "send", "to": "tcp://127.0.0.1:PORT", "frames": [hex, ...]}``: one multipart message, unsigned;
 - ``{"op": "engine", "bytes": N}``: a Mooncake transfer engine (TCP, loopback) with N registered zero bytes;
   answers its ``session`` id and the buffer's address ``ptr``;
-- ``{"op": "buffer"}``: how many bytes of that buffer are no longer zero (KV that reached the attacker);
+- ``{"op": "buffer", "start": A, "end": B}``: how many bytes of that buffer (or of its bytes ``A:B``) are no
+  longer zero (KV that reached the attacker);
+- ``{"op": "listen"}``: a PULL socket of its own on loopback (where it tells prefill to report the rooms it
+  copies); answers its ``port``;
+- ``{"op": "inbox"}``: the messages that socket received so far (``messages``: lists of hex frames);
 - ``{"op": "quit"}``.
 
 :class:`Attacker` drives it from a test (any python).
@@ -32,6 +36,8 @@ class _Session:
         self.sockets: dict[str, Any] = {}
         self.engine: Any = None
         self.buffer: Any = None
+        self.sink: Any = None
+        self.sink_port = 0
 
     def send(self, to: str, frames: list[str]) -> dict[str, Any]:
         if not to.startswith(f"tcp://{LOOPBACK}:"):
@@ -58,11 +64,26 @@ class _Session:
             raise RuntimeError("Mooncake memory registration failed")
         return {"session": f"{LOOPBACK}:{self.engine.get_rpc_port()}", "ptr": ptr}
 
-    def nonzero(self) -> dict[str, Any]:
-        return {"nonzero_bytes": int((self.buffer != 0).sum()) if self.buffer is not None else 0}
+    def nonzero(self, start: int = 0, end: int | None = None) -> dict[str, Any]:
+        if self.buffer is None:
+            return {"nonzero_bytes": 0}
+        return {"nonzero_bytes": int((self.buffer[start:end] != 0).sum())}
+
+    def listen(self) -> dict[str, Any]:
+        if self.sink is None:
+            self.sink = self.ctx.socket(self.zmq.PULL)
+            self.sink.setsockopt(self.zmq.LINGER, 0)
+            self.sink_port = self.sink.bind_to_random_port(f"tcp://{LOOPBACK}")
+        return {"port": self.sink_port}
+
+    def inbox(self) -> dict[str, Any]:
+        messages: list[list[str]] = []
+        while self.sink is not None and self.sink.poll(0):
+            messages.append([frame.hex() for frame in self.sink.recv_multipart()])
+        return {"messages": messages}
 
     def close(self) -> None:
-        for sock in self.sockets.values():
+        for sock in [*self.sockets.values(), *([self.sink] if self.sink is not None else [])]:
             sock.close()
         self.ctx.term()
 
@@ -79,7 +100,11 @@ def main() -> None:
             elif command["op"] == "engine":
                 answer = session.make_engine(int(command["bytes"]))
             elif command["op"] == "buffer":
-                answer = session.nonzero()
+                answer = session.nonzero(int(command.get("start", 0)), command.get("end"))
+            elif command["op"] == "listen":
+                answer = session.listen()
+            elif command["op"] == "inbox":
+                answer = session.inbox()
             else:
                 answer = {"error": f"unknown op {command['op']!r}"}
         except Exception as exc:  # noqa: BLE001 - the test reads the error
