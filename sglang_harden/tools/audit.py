@@ -11,8 +11,9 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
   armed guards and decision counts) nor guard decisions on ``/metrics``;
 - ``control_plane_unauthenticated``: a hardened PD node reports that its control plane (the bootstrap routes)
   is not authenticated (no ``--harden-bootstrap-secret-file``), or only logs failed tokens;
-- ``side_channels_unauthenticated``: a hardened PD node reports that its ZMQ side channels (the rank ports where
-  decode registers where KV goes) are not authenticated, only log, or do not sign (``side_channel_auth``).
+- ``side_channels_unauthenticated``: a hardened PD node reports that its ZMQ side channels (the KV managers' rank
+  ports: registrations, transfer infos, statuses, aborts, drain acks) are not authenticated (no secret file, or
+  ``zmq_auth`` off or log).
 
 Exit codes (a deploy gate): 0 every node audited, no findings (except those named with ``--ignore``);
 1 findings; 2 at least one node could not be audited (unreachable, timed out, malformed answer) -- this wins
@@ -71,7 +72,7 @@ class Node:
     guards: dict[str, dict[str, float]] = field(default_factory=dict)
     armed_guards: list[str] = field(default_factory=list)  # from /server_info internal_states[].sglang_harden
     control_plane_auth: str | None = None  # enforce | log | unauthenticated (None: not reported)
-    side_channel_auth: str | None = None  # enforce | log | "<mode> (not signing)" | unauthenticated
+    side_channel_auth: str | None = None  # enforce | log | off | unauthenticated [(not signing)] (None: not reported)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -265,11 +266,12 @@ def findings(nodes: list[Node]) -> list[Finding]:
                                f"control plane {node.control_plane_auth}: anyone who reaches the bootstrap port can "
                                "register KV routes and post abort notices (set --harden-bootstrap-secret-file; "
                                "README 'Security')"))
-        if node.role in ("prefill", "decode") and node.side_channel_auth not in (None, "enforce"):
+        side = (node.side_channel_auth or "").split(" ")[0]
+        if node.role in ("prefill", "decode") and side in ("unauthenticated", "log", "off"):
             out.append(Finding("side_channels_unauthenticated", node.url,
-                               f"ZMQ side channels {node.side_channel_auth}: anyone who reaches a rank port can "
-                               "register where KV goes or forge statuses and drain acks (set "
-                               "--harden-bootstrap-secret-file and --harden-zmq-auth enforce; README 'Security')"))
+                               f"ZMQ side channels {node.side_channel_auth}: anyone who reaches a KV manager's rank "
+                               "port can register destinations, redirect or copy KV transfers and stop the listener "
+                               "threads (set --harden-bootstrap-secret-file, zmq_auth enforce; README 'Security')"))
         if node.armed_guards or node.guards:
             continue
         if node.metrics != "ok":

@@ -175,23 +175,19 @@ def test_unauthenticated_control_plane_is_a_finding(capsys: pytest.CaptureFixtur
     assert code == (1 if flagged else 0)
 
 
-@pytest.mark.parametrize("side,flagged", [("unauthenticated", True), ("log", True), ("enforce (not signing)", True),
-                                          ("enforce", False), (None, False)])
-def test_unauthenticated_side_channels_are_a_finding(capsys: pytest.CaptureFixture[str], side: str | None,
+@pytest.mark.parametrize("auth,flagged", [("unauthenticated", True), ("log", True), ("off", True),
+                                          ("enforce", False), ("enforce (not signing)", False)])
+def test_unauthenticated_side_channels_are_a_finding(capsys: pytest.CaptureFixture[str], auth: str,
                                                      flagged: bool) -> None:
-    """A node whose ZMQ rank ports are open to anyone (or only logging, or not signing) is a finding; a node that
-    does not report the field (an older plugin) is not judged on it."""
     node = FakeNode(role="prefill", pool_tokens=600, metrics=False)
     info = node.server_info()
-    report: dict[str, object] = {"guards": ["admission"], "control_plane_auth": "enforce"}
-    if side is not None:
-        report["side_channel_auth"] = side
-    info["internal_states"][0]["sglang_harden"] = report
+    info["internal_states"][0]["sglang_harden"] = {"guards": ["admission"], "control_plane_auth": "enforce",
+                                                   "side_channel_auth": auth}
     routes = node.routes()
     routes[("GET", "/server_info")] = json_route(info)
     with serve(routes) as url:
         code, data = run_audit(capsys, url)
-    assert data["nodes"][0]["side_channel_auth"] == side
+    assert data["nodes"][0]["side_channel_auth"] == auth
     codes = [f["code"] for f in data["findings"]]
     assert codes == (["side_channels_unauthenticated"] if flagged else []), data
     assert code == (1 if flagged else 0)
