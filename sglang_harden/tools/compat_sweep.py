@@ -198,8 +198,10 @@ def _fits(verdicts: dict[str, GuardVerdict]) -> bool:
     return all(v.verdict == HOOKABLE for v in verdicts.values())
 
 
-def _problems(verdicts: dict[str, GuardVerdict]) -> int:
-    return sum(len(v.missing) for v in verdicts.values())
+def _problems(verdicts: dict[str, GuardVerdict]) -> tuple[bool, int]:
+    """A family that does not fit the release at all ranks after every family that merely misses hooks."""
+    mismatched = any(V049_MISMATCH in v.missing for v in verdicts.values())
+    return mismatched, sum(len(v.missing) for v in verdicts.values())
 
 
 # ---------------------------------------------------------------- command line

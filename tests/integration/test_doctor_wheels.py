@@ -140,6 +140,16 @@ OPTIONAL_TARGETS = {
     "lifecycle: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.cache_unfinished_req":
         ("0.5.19", "0.5.20", "0.5.21"),
     "lifecycle: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint": ("0.5.22", "0.5.23"),
+    "page_ledger: sglang.srt.mem_cache.radix_cache.RadixCache.cache_unfinished_req": ("0.5.19", "0.5.20", "0.5.21"),
+    "page_ledger: sglang.srt.mem_cache.radix_cache.RadixCache.checkpoint": ("0.5.22", "0.5.23"),
+    "page_ledger: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.cache_unfinished_req":
+        ("0.5.19", "0.5.20", "0.5.21"),
+    "page_ledger: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint": ("0.5.22", "0.5.23"),
+    "side_channels: sglang.srt.disaggregation.common.conn.CommonKVManager._make_worker_recv":
+        ("0.5.21", "0.5.22", "0.5.23"),
+    "zmq_auth: sglang.srt.disaggregation.common.conn.CommonKVManager._make_worker_recv": ("0.5.21", "0.5.22", "0.5.23"),
+    "zmq_auth: sglang.srt.disaggregation.common.staging_handler.prefetch_staging_reqs":
+        ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
 }
 
 
