@@ -37,6 +37,7 @@ from sglang_harden.testbed.client import PairResult, generate, greedy_body, http
 from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
 from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import (
+    COVERAGE_ALONE,
     KVTRACE_ENV,
     IncidentSetup,
     start_incident_pair,
@@ -156,17 +157,12 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
                                flags=["--enable-metrics"] if hardened else [])
 
 
-COVERAGE_ALONE = {"SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "off", "SGLANG_HARDEN_CHECKSUM": "off"}
-
-
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
     from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
     env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(SETUP.waiting_timeout_s),
            "SGLANG_HARDEN_TESTBED_ABORT_BEFORE_SEND": RETIRE_PREFIX}
     if hardened:
-        # the commit gate's page checks (page tags, canary, digest) judge a transfer at its first success poll,
-        # before coverage's check at the commit: off on this pair, so that coverage alone judges the short send
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", **HARDEN_ENV, **COVERAGE_ALONE})
     pair = PDPair(
         pin,

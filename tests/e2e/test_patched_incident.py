@@ -36,6 +36,7 @@ import pytest
 from sglang_harden.testbed.client import PairResult, greedy_body, greedy_difference
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
+    COVERAGE_ALONE,
     KVTRACE_ENV,
     WAITING_TIMEOUT_ENV,
     IncidentSetup,
@@ -101,6 +102,8 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
     prefill_flags = ["--allow-auto-truncate"] if variant == "patched-truncate" else []
     if tree is not None:
         env.update({**patched_env(tree), "SGLANG_HARDEN_CAPACITY": "log"})
+        if variant == "patched-truncate":  # coverage alone judges the short send
+            env.update(COVERAGE_ALONE)
     authenticated = variant in ("patched", "patched-nixl") and _has_auth_patch(pin)
     if authenticated:  # the series' control-plane authentication, a secret of its own
         env[SECRET_FILE_ENV] = str(_secret_file(log_dir))
