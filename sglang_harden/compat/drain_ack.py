@@ -68,6 +68,21 @@ def notice_generation(receiver: Any) -> int | None:
     return int(generation) if generation is not None else None
 
 
+def failed_by_status(receiver: Any) -> bool:
+    """Whether ``receiver``'s transfer failed: its concluded state (kept after ``failure_exception`` cleared the
+    room's status), else the room's status in its manager. The sender's failure sync, or decode's own timeout or
+    abort: those arm a notice first, which the ack book knows."""
+    try:
+        from sglang.srt.disaggregation.base import KVPoll
+
+        concluded = getattr(receiver, "conclude_state", None)
+        if concluded is not None:
+            return int(concluded) == int(KVPoll.Failed)
+        return int(receiver.kv_mgr.check_status(receiver.bootstrap_room)) == int(KVPoll.Failed)
+    except Exception:  # noqa: BLE001 - no status to read (cleared room, another release's layout): not failed
+        return False
+
+
 def notice_sent(receiver: Any) -> bool:
     """Whether ``receiver``'s abort notice already went out."""
     return bool(getattr(receiver, "abort_notified", False))

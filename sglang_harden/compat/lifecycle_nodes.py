@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
-from sglang_harden.compat.drain_ack import expected_ack_ranks, notice_generation, notice_sent, send_abort_notice
+from sglang_harden.compat.drain_ack import (
+    expected_ack_ranks,
+    failed_by_status,
+    notice_generation,
+    notice_sent,
+    send_abort_notice,
+)
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
@@ -196,6 +202,8 @@ class DecodeNode:
         transfer = self.transfers.get(owner)
         if transfer is None:
             return False
+        if failed_by_status(transfer.receiver):  # acks prefill sent with its failure count now
+            self.acks.sender_failed(transfer.room)
         acked = self.acks.count(transfer.room)
         with self._lock:  # a transfer whose targets are unknown (required 0) waits for its sender to be gone
             evidence = lifecycle.DrainEvidence(

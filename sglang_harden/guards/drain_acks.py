@@ -4,7 +4,10 @@ Invariant: an ack counts toward a transfer's drain only when decode recorded a l
 that transfer's abort notice was armed before the ack arrived, the ack carries the generation the notice was
 armed with (releases that number their notices; elsewhere the transfer itself is the generation: its acks start
 empty), and it names a prefill rank the transfer targets that has not acked yet. The transfer drained once every
-targeted rank acked. Any other ack is counted and ignored. The table holds an entry per live transfer only
+targeted rank acked. One exception to "armed first": a targeted rank's ack that arrives before any notice is kept
+aside, and counts only if the sender then fails the transfer itself while decode never armed a notice (a sender
+that fails a room with no write of it in flight acks it with the failure, ahead of it on the same socket); a
+notice armed later discards it. Any other ack is counted and ignored. The table holds an entry per live transfer only
 (dropped with it) and at most ``cap``: past it the oldest entry goes, and that transfer's pages then wait for
 their sender to be known gone (fail closed).
 
@@ -43,6 +46,7 @@ class _Entry:
     generation: Callable[[], int | None]  # the generation the transfer's abort notice carries now (None: none)
     armed: bool = False
     acked: set[int] = field(default_factory=set)
+    early: set[int] = field(default_factory=set)  # targeted ranks that acked before any notice
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,19 @@ class AckBook:
             entry = self._rooms.get(int(room))
             if entry is not None:
                 entry.armed = True
+                entry.early.clear()
+
+    def sender_failed(self, room: int) -> int:
+        """The sender failed ``room``'s transfer and decode armed no notice for it: the acks that came before (with
+        the failure) count. Returns how many did."""
+        with self._lock:
+            entry = self._rooms.get(int(room))
+            if entry is None or entry.armed:
+                return 0
+            taken = entry.early - entry.acked
+            entry.acked |= taken
+            entry.early.clear()
+            return len(taken)
 
     def close(self, room: int) -> None:
         """The transfer of ``room`` is over (its pages are back): its acks go with it."""
@@ -113,8 +130,11 @@ class AckBook:
             if entry is None:
                 return _rejected(NO_TRANSFER, f"room {room} has no live transfer here", room, rank, generation)
             if not entry.armed:
-                return _rejected(NOT_ARMED, f"the abort notice of room {room} was not sent yet", room, rank,
-                                 generation)
+                if rank in entry.expected and generation is None and entry.generation() is None:
+                    entry.early.add(rank)
+                return _rejected(NOT_ARMED, f"the abort notice of room {room} was not sent yet (a targeted rank's "
+                                 "ack counts only if prefill fails the room before decode sends a notice)", room,
+                                 rank, generation)
             current = entry.generation()
             if (generation is not None or current is not None) and generation != current:
                 return _rejected(STALE, f"generation {generation} is not the one room {room}'s notice carries "

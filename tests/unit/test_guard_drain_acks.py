@@ -59,6 +59,33 @@ def test_an_ack_before_the_abort_notice_was_armed_does_not_count() -> None:
     assert _why(book, 7, 0) is None
 
 
+def test_an_ack_before_any_notice_counts_only_when_the_sender_fails_the_room() -> None:
+    """A sender that fails a room with no write of it in flight acks it with the failure (before it, on the same
+    socket): kept aside, it counts once decode sees the sender's failure and armed no notice of its own."""
+    book = AckBook()
+    book.open(7, (0, 1))
+    assert _why(book, 7, 0) == drain_acks.NOT_ARMED and _why(book, 7, 5) == drain_acks.NOT_ARMED
+    assert _why(book, 7, 1, generation=3) == drain_acks.NOT_ARMED  # numbered: never kept aside
+    assert book.count(7) == AckCount(2, 0)  # kept aside, not counted
+    assert book.sender_failed(7) == 1  # rank 0 only: rank 5 is not targeted, rank 1's ack named a generation
+    assert book.count(7) == AckCount(2, 1)
+    assert book.sender_failed(7) == 0  # once
+    assert _why(book, 7, 1) == drain_acks.NOT_ARMED and book.sender_failed(7) == 1
+    assert book.count(7) == AckCount(2, 2)
+
+
+def test_a_notice_armed_after_an_early_ack_discards_it() -> None:
+    """Decode aborted or timed out (its notice armed): prefill acks that notice once its writes drained; an ack from
+    before it never counts, even if the room then stands failed."""
+    book = AckBook()
+    book.open(7, (0,))
+    book.note(7, 0)
+    book.arm(7)
+    assert book.sender_failed(7) == 0
+    assert book.count(7) == AckCount(1, 0)
+    assert _why(book, 7, 0) is None  # the ack of the notice
+
+
 def test_a_notice_already_sent_when_the_transfer_began_is_armed() -> None:
     book = AckBook()
     book.open(7, (0,), armed=True)
