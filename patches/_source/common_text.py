@@ -711,7 +711,7 @@ DIGEST_PUBLISH = ("            # sglang-harden backport: this rank's digest of t
 DIGEST_CHECK_CALL = commit_refusal_block(
     "the received KV rows must digest to what prefill sent.", "digest_refusal",
     "pd_digest.refusal_at_commit(\n                decode_req.req, self.scheduler, decode_req.kv_receiver, self.gloo_group\n"
-    "            )", "KV digest")
+    "            )", "KV checksum")
 REJECTION_ROUTES = "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n"
 
 

@@ -301,7 +301,7 @@ def digest_patch_049() -> tuple[str, str, list]:
         "the received KV rows must digest to what prefill sent.", "digest_refusal",
         "pd_digest.refusal_at_commit(\n                        decode_req.req,\n"
         "                        self.scheduler,\n                        decode_req.kv_receiver,\n"
-        "                        self.gloo_group,\n                    )", "KV digest")
+        "                        self.gloo_group,\n                    )", "KV checksum")
     coverage_import = "from sglang.srt.disaggregation.utils import COVERAGE_SLOTS, encode_coverage\n"
     return digest_patch(H_DIGEST_049, (coverage_import, COVERAGE_PUBLISH_049),
                         (MOONCAKE, "from sglang.srt.disaggregation.common.utils import (\n"),

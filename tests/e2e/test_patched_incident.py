@@ -409,7 +409,7 @@ def test_patched_digest_refuses_a_flipped_bit(incident: Any, pin: str, backend: 
     assert [f["rid"] for f in patched["flips"]] == ["flipped-bit"], patched["flips"]
     p = patched["flipped"].decode
     assert p.status == 500 and not p.output_ids, p.summary()
-    assert "KV digest check failed" in p.error_message() and "KV digest mismatch" in p.error_message(), p.summary()
+    assert "KV checksum check failed" in p.error_message() and "KV digest mismatch" in p.error_message(), p.summary()
     assert "sglang-harden checksum abort: rid=flipped-bit" in patched["logs"]["decode"]
     clean = [r.a.decode for r in patched["rounds"]]
     assert all(a.ok for a in clean), [a.summary() for a in clean]  # every clean transfer verified and served
