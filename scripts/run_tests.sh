@@ -34,7 +34,8 @@ for pin in $ci_pins; do
   python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
     tests/integration/test_lifecycle_inprocess.py tests/integration/test_mori_inprocess.py \
     tests/integration/test_digest_inprocess.py tests/integration/test_gpu_semantics_inprocess.py \
-    tests/integration/test_control_auth_inprocess.py "${patched[@]}" \
+    tests/integration/test_control_auth_inprocess.py tests/integration/test_zmq_channels_inprocess.py \
+    tests/integration/test_wire_fuzz_inprocess.py "${patched[@]}" \
     > "$logs/in-process tests, pin $pin.log" 2>&1 &
   pids+=("$!")
 done
