@@ -34,8 +34,9 @@ for pin in $ci_pins; do
   python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
     tests/integration/test_lifecycle_inprocess.py tests/integration/test_mori_inprocess.py \
     tests/integration/test_digest_inprocess.py tests/integration/test_gpu_semantics_inprocess.py \
-    tests/integration/test_control_auth_inprocess.py tests/integration/test_zmq_channels_inprocess.py \
-    tests/integration/test_wire_fuzz_inprocess.py "${patched[@]}" \
+    tests/integration/test_control_auth_inprocess.py tests/integration/test_drain_acks_inprocess.py \
+    tests/integration/test_zmq_channels_inprocess.py tests/integration/test_wire_fuzz_inprocess.py \
+    tests/unit/test_patched_side_channels.py "${patched[@]}" \
     > "$logs/in-process tests, pin $pin.log" 2>&1 &
   pids+=("$!")
 done
@@ -43,7 +44,8 @@ done
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
 "$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
   tests/unit/test_events_prometheus.py tests/unit/test_cudasim.py \
-  tests/unit/test_canary.py tests/unit/test_patched_canary.py tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py > "$logs/torch tests.log" 2>&1 &
+  tests/unit/test_canary.py tests/unit/test_patched_canary.py tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_drain_acks.py \
+  tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py > "$logs/torch tests.log" 2>&1 &
 pids+=("$!")
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done

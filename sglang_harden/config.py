@@ -81,6 +81,11 @@ class HardenConfig:
     # unauthenticated and the bootstrap_auth guard is not armed.
     bootstrap_secret_file: str = ""
     bootstrap_auth_max_age_s: int = 60
+    # Names (host:port, comma-separated; *:port any host on a port; * any) that also name this bootstrap server,
+    # beyond its bind host, host name, FQDN and the address a connection arrives on: DNS aliases, Services.
+    bootstrap_authorities: str = ""
+    # Accept sgh1 tokens (no Host binding; signers from before issue 39) while a deployment rolls out.
+    bootstrap_auth_accept_sgh1: bool = False
     extra: dict[str, str] = field(default_factory=dict)
 
     def mode(self, guard: str) -> Mode:

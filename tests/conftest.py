@@ -100,6 +100,7 @@ E2E_GROUP_MINUTES = {
     "test_mixed_pair_e2e": 3.0,
     "test_fail_closed_e2e": 2.0,
     "test_importhook_coexist_e2e": 1.5,
+    "test_side_channels_e2e": 4.5,
 }
 UNLISTED_E2E_GROUP_MINUTES = 3.0
 

@@ -6,6 +6,10 @@
   top of the bundle (but for names in ``provided``: a compatibility definition around the bundle);
 - an import of another sglang_harden module must name something an earlier module of the bundle defines at top
   level (or one of ``provided``, defined by the text around the bundle); ``import x as y`` becomes ``y = x``;
+  a module the bundle does not list but one of its modules imports from is bundled in before it;
+- an import of a bundled module itself (``from sglang_harden.guards import zmq_auth [as za]``) becomes a namespace
+  of that module's top-level names (``zmq_auth = SimpleNamespace(...)``), so ``zmq_auth.verify`` works as in
+  the plugin;
 - a top-level name two modules define (each guard's ``GUARD``) is renamed in the earlier one, where every use of
   it is that module's own;
 - the plugin's logger (``logging.getLogger("sglang_harden")``) becomes the patched module's own.
@@ -72,7 +76,7 @@ def _external_imports(tree: ast.Module, provided: set[str]) -> list[str]:
             lines.extend(f"import {a.name}" + (f" as {a.asname}" if a.asname else "") for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module != "__future__" and not _internal(node):
             for a in node.names:
-                if (a.asname or a.name) in provided:
+                if a.name in provided:
                     continue
                 lines.append(f"from {node.module} import {a.name}" + (f" as {a.asname}" if a.asname else ""))
     return lines
@@ -82,7 +86,62 @@ def _internal(node: ast.ImportFrom) -> bool:
     return (node.module or "").split(".")[0] == PACKAGE
 
 
+def _module_file(dotted: str) -> str | None:
+    """``sglang_harden.guards.zmq_auth`` -> ``sglang_harden/guards/zmq_auth.py`` (None: no such module file)."""
+    rel = dotted.replace(".", "/") + ".py"
+    return rel if (REPO / rel).is_file() else None
+
+
+def _imported_modules(node: ast.ImportFrom) -> dict[str, str]:
+    """The names an internal ``from X import a, b`` binds to whole modules (``from pkg import mod``): name -> file."""
+    found = {}
+    for a in node.names:
+        rel = _module_file(f"{node.module}.{a.name}")
+        if rel is not None:
+            found[a.name] = rel
+    return found
+
+
+def _with_dependencies(paths: tuple[str, ...], provided: set[str]) -> tuple[str, ...]:
+    """``paths`` and, before each, the sglang_harden modules it imports from that are not listed, where a name it
+    imports is neither provided nor defined by a listed module (a re-exported name is found where it is defined)."""
+    defined: set[str] = set()
+    for rel in paths:
+        defined |= _top_level_names(ast.parse((REPO / rel).read_text()))
+    ordered: list[str] = []
+
+    def visit(rel: str, stack: tuple[str, ...]) -> None:
+        if rel in ordered:
+            return
+        if rel in stack:
+            raise SystemExit(f"bundle: import cycle {' -> '.join((*stack, rel))}")
+        for node in ast.parse((REPO / rel).read_text()).body:
+            if not (isinstance(node, ast.ImportFrom) and _internal(node)):
+                continue
+            modules = _imported_modules(node)
+            for a in node.names:
+                if a.name in provided or (a.name not in modules and a.name in defined):
+                    continue
+                dep = modules.get(a.name) or _module_file(node.module or "")
+                if dep is not None and dep not in paths and dep not in ordered:
+                    defined.update(_top_level_names(ast.parse((REPO / dep).read_text())))
+                    visit(dep, (*stack, rel))
+        ordered.append(rel)
+
+    for rel in paths:
+        visit(rel, ())
+    return tuple(ordered)
+
+
+def _namespace(name: str, rel: str, tree: ast.Module, renames: dict[str, str]) -> str:
+    """``name = SimpleNamespace(...)`` of the bundled module ``rel``'s top-level names (as renamed there)."""
+    names = sorted(_top_level_names(tree))
+    fields = ", ".join(f"{n}={renames.get(n, n)}" for n in names)
+    return f"{name} = SimpleNamespace({fields})  # sglang-harden's {rel.removeprefix(PACKAGE + '/')}"
+
+
 def bundle(paths: tuple[str, ...], provided: tuple[str, ...] = ()) -> str:
+    paths = _with_dependencies(paths, set(provided))
     trees = {rel: ast.parse((REPO / rel).read_text()) for rel in paths}
     defined_later: dict[str, set[str]] = {}
     seen: set[str] = set()
@@ -92,13 +151,21 @@ def bundle(paths: tuple[str, ...], provided: tuple[str, ...] = ()) -> str:
     imports: list[str] = []
     parts: list[str] = []
     available = set(provided)
+    renamed_in: dict[str, dict[str, str]] = {}
     for rel in paths:
         tree = trees[rel]
         text = (REPO / rel).read_text()
         aliases = []
         for node in tree.body:
             if isinstance(node, ast.ImportFrom) and _internal(node):
+                modules = _imported_modules(node)
                 for a in node.names:
+                    if a.name in modules and modules[a.name] in renamed_in and a.name not in provided:
+                        source = modules[a.name]
+                        aliases.append(_namespace(a.asname or a.name, source, trees[source], renamed_in[source]))
+                        if "from types import SimpleNamespace" not in imports:
+                            imports.append("from types import SimpleNamespace")
+                        continue
                     if a.name not in available:
                         raise SystemExit(f"bundle: {rel} imports {a.name} from {node.module}, which no earlier "
                                          "module of the bundle defines")
@@ -108,6 +175,7 @@ def bundle(paths: tuple[str, ...], provided: tuple[str, ...] = ()) -> str:
         mine = _top_level_names(tree)
         clashes = mine & defined_later[rel]
         renames = {name: f"_{Path(rel).stem}_{name.lstrip('_')}" for name in clashes}
+        renamed_in[rel] = renames
         dropped = _dropped_lines(tree)
         kept = "".join(line for number, line in enumerate(text.splitlines(keepends=True), start=1)
                        if number not in dropped)

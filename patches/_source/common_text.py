@@ -41,7 +41,7 @@ def with_bundle(name: str, provided: tuple[str, ...]) -> str:
     return text.replace(marks[0] + "\n", bundle(paths, provided))
 
 
-PD_AUTH = with_embeds("pd_auth.py", ("sglang_harden/compat/signing_client.py", "sglang_harden/compat/bootstrap_http.py"))
+PD_AUTH = with_bundle("pd_auth.py", ("StrEnum",))
 
 def _internals() -> ModuleType:
     """sglang-harden's one description of SGLang's names (``compat/internals.py``), loaded by path: the series
@@ -182,13 +182,18 @@ What: a new module sglang/srt/disaggregation/common/pd_auth.py. With a shared se
 SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE on every prefill and decode process:
 - the bootstrap server answers 401 to any request (every route except /health: /route,
   /register_dp_rank, /query_dp_ranks, /pd_rejections, reads included) without a valid token in
-  X-SGLang-Harden-Auth: an HMAC-SHA256 over method, path and query, body hash, timestamp and nonce;
-  stale tokens (SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S, default 60) and replayed nonces are refused;
-- every request common/conn.py and pd_rejections send to a bootstrap server is signed;
+  X-SGLang-Harden-Auth: an HMAC-SHA256 over method, Host (the host:port the client addressed), path and
+  query, body hash, timestamp and nonce, for a Host that names this server (SGLANG_HARDEN_BOOTSTRAP_AUTHORITIES
+  lists other names); stale tokens (SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S, default 60) and replayed nonces
+  are refused, all before the body is read;
+- every request common/conn.py and pd_rejections send to a bootstrap server is signed, and an answer the
+  server did not sign for that request is not used (it reaches the caller as a failed exchange);
 - the file may hold a second accepted secret (rotation without downtime) and is re-read on change;
 - SGLANG_HARDEN_BOOTSTRAP_AUTH=log logs refusals and serves; off disables; enforce without a secret
   file, or an unusable file, refuses to start. No secret file: one WARNING, nothing checked.
-The wire format is the sglang-harden plugin's: patched and plugin nodes of a deployment interoperate.
+The wire format (sgh2) and the code are the sglang-harden plugin's: patched and plugin nodes of a
+deployment interoperate. SGLANG_HARDEN_BOOTSTRAP_AUTH_ACCEPT_SGH1=1 also accepts the older sgh1 tokens
+(no Host binding) while a fleet rolls out.
 
 Why: anyone who reaches the bootstrap port can otherwise register as a rank for a room (and receive or
 redirect another tenant's KV), or post and read rejection notices. No SGLang release authenticates it.
@@ -342,20 +347,34 @@ def auth_edits() -> list:
          "requests = pd_auth.signing(requests)\n"),
         (CONN, "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n",
          "        pd_rejections.add_routes(self.app)  # sglang-harden backport\n"
-         "        pd_auth.protect(self.app)  # sglang-harden backport: a token on every route but /health\n"),
+         "        # sglang-harden backport: a token for this server on every route but /health\n"
+         "        pd_auth.protect(self.app, self.host, self.port)\n"),
         (NEWMOD, "from typing import Any, Dict, List, Optional, Tuple\n",
          "from typing import Any, Dict, List, Optional, Tuple\n\n"
          "from sglang.srt.disaggregation.common import pd_auth\n"),
-        (NEWMOD,
-         '    request = urllib.request.Request(url, data=body, method="PUT", headers={"Content-Type": '
-         '"application/json"})\n',
-         '    signed = {"Content-Type": "application/json", **pd_auth.headers("PUT", ROUTE, body)}\n'
-         '    request = urllib.request.Request(url, data=body, method="PUT", headers=signed)\n'),
-        (NEWMOD,
-         '        url = f"http://{addr}" + rooms_target(rooms)\n',
-         "        target = rooms_target(rooms)\n"
-         '        url = urllib.request.Request(f"http://{addr}{target}", headers=pd_auth.headers("GET", target, b""))\n'),
+        *REJECTION_CLIENT_EDITS,
     ]
+
+
+# pd_rejections' clients sign for the bootstrap server they address and use an answer only when it was signed for
+# their request (pd_auth.trusted_body raises an OSError, which both callers already treat as a failed exchange).
+REJECTION_CLIENT_EDITS = [
+    (NEWMOD,
+     '    request = urllib.request.Request(url, data=body, method="PUT", headers={"Content-Type": '
+     '"application/json"})\n',
+     '    signed = {"Content-Type": "application/json", **pd_auth.headers("PUT", pd_auth.url_authority(url), ROUTE, body)}\n'
+     '    request = urllib.request.Request(url, data=body, method="PUT", headers=signed)\n'),
+    (NEWMOD, "            return response.status == 200\n",
+     "            pd_auth.trusted_body(request, response, 1 << 20)\n"
+     "            return response.status == 200\n"),
+    (NEWMOD,
+     '        url = f"http://{addr}" + rooms_target(rooms)\n',
+     "        target = rooms_target(rooms)\n"
+     '        url = urllib.request.Request(f"http://{addr}{target}", headers=pd_auth.headers("GET", addr, target, b""))\n'),
+    (NEWMOD, "                found, malformed = parse_board_answer(json.loads(response.read(1 << 20)))\n",
+     "                answer = pd_auth.trusted_body(url, response, 1 << 20)\n"
+     "                found, malformed = parse_board_answer(json.loads(answer))\n"),
+]
 
 
 # pd_auth logs "authenticated" when it is imported. Releases up to 0.5.10 import it (through their conn module and the
@@ -550,21 +569,32 @@ NOTE_ACK_0522 = ("    def note_abort_ack(\n        self, bootstrap_room: int, pr
 SEND_ACK_0522 = ("    def _send_abort_ack(self, room: int, target: AckTarget) -> None:\n"
                  '        """Best-effort ack that this rank\'s transfer for an aborted room drained."""\n')
 SEND_ACK_0522_RESEND = "lambda: self._send_abort_ack(room, target)"
+NOTICE_0519 = "    def _send_abort_notification(self):\n"  # also 0.5.18
+NOTICE_0521 = "    def _send_abort_notification(self, *, force_arm: bool = False):\n"
 POISON_0522 = ("    def poison_deferred_ack_room(self, room: int) -> None:\n"
                '        """Drop an ACK target when the backend cannot prove the room drained."""\n')
 
 
-def _ack_edits(note_ack: str, send_ack: str, resend: str) -> list:
+def notice_arms_acks(notice: str) -> tuple:
+    """Decode's abort notice (``CommonKVReceiver._send_abort_notification``) arms its transfer's drain
+    acknowledgements before it goes out."""
+    return (CONN, notice, notice + "        pd_lifecycle.note_abort_notice(self)  # sglang-harden backport: acks may come\n")
+
+
+def _ack_edits(note_ack: str, send_ack: str, resend: str, notice: str, generation: bool) -> list:
+    args = "bootstrap_room, prefill_rank, generation" if generation else "bootstrap_room, prefill_rank"
     return [
-        (CONN, note_ack, note_ack + "        pd_lifecycle.note_ack(bootstrap_room, prefill_rank)  # sglang-harden backport\n"),
+        (CONN, note_ack, note_ack + f"        pd_lifecycle.note_ack({args})  # sglang-harden backport\n"),
         (CONN, send_ack, send_ack +
          f"        if pd_lifecycle.ack_deferred(room, {resend}):\n"
          "            return  # sglang-harden backport: a failed write of this room may still land\n"),
+        notice_arms_acks(notice),
     ]
 
 
-ACK_EDITS_0519 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND)
-ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND) + [
+ACK_EDITS_0519 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND, NOTICE_0519, generation=False)
+ACK_EDITS_0521 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND, NOTICE_0521, generation=False)
+ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND, NOTICE_0521, generation=True) + [
     (CONN, POISON_0522, POISON_0522 +
      "        if pd_lifecycle.note_failed_write(room):\n"
      "            return  # sglang-harden backport: keep the ACK target; the ACK waits for the write's lifetime\n"),
@@ -604,7 +634,7 @@ DEFERRED_SENTENCE = " Deferred\ndecode KV release (prefill's drain acknowledgeme
 def lifecycle_patch(indent: str, ack_edits: list, deferred_release: bool = True,
                     free_contexts: tuple = ()) -> tuple[str, str, list]:
     """The page-lifecycle patch of the 0.5.x series (``indent``: of the prealloc queue's send_metadata call;
-    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519 or ACK_EDITS_0522;
+    ``ack_edits``: the release's drain-acknowledgement functions, ACK_EDITS_0519, _0521 or _0522;
     ``deferred_release``: the release has SGLang's deferred decode KV release switch, which the patch turns on;
     ``free_contexts``: the decorators that say why SGLang frees, FREE_CONTEXTS_05xx, where the series has them)."""
     call = page_tags_publish(indent)[0]

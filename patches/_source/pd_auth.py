@@ -2,180 +2,109 @@
 
 Whoever reaches prefill's bootstrap port can otherwise register as decode for a room (``PUT /route``), post or
 read rejection notices (``/pd_rejections``) and query ranks. With a shared secret configured, every request to
-every route of the bootstrap server except ``/health`` must carry a token, and every bootstrap client in this
-process (SGLang's, through ``common/conn.py``'s ``requests``, and ``pd_rejections``) signs what it sends:
+every route of the bootstrap server except ``/health`` must carry a token, every bootstrap client in this process
+(SGLang's, through ``common/conn.py``'s ``requests``, and ``pd_rejections``) signs what it sends, and a client
+uses an answer (below 400) only when the server signed it for that request:
 
-    X-SGLang-Harden-Auth: sgh1.<ts>.<nonce>.<mac>
-    mac = hex HMAC-SHA256(secret, "sgh1\\n<METHOD>\\n<path?query as sent>\\n<hex sha256(body)>\\n<ts>\\n<nonce>")
+    X-SGLang-Harden-Auth: sgh2.<ts>.<nonce>.<hex sha256(body)>.<mac>
+    mac = hex HMAC-SHA256(secret, "sgh2\\n<METHOD>\\n<host:port>\\n<path?query as sent>\\n<hex sha256(body)>\\n<ts>\\n<nonce>")
+    X-SGLang-Harden-Answer: sgh2.<hex HMAC-SHA256(secret, "sgh2-answer\\n<request mac>\\n<status>\\n<hex sha256(answer body)>")>
 
-The server accepts a token whose MAC matches under an accepted secret (compared in constant time), whose ``ts``
-is within the validity window of its clock and whose nonce it has not seen in that window; anything else gets
-401 (the log line never holds the token). This is the wire format of the sglang-harden plugin, so patched and
-plugin nodes of one deployment interoperate.
+``host:port`` is the authority the client addressed, canonical (lowercase, the port always written); the server
+recomputes it from the Host header it received and serves only a Host that names it (its bind host, host name, FQDN
+or the address the connection arrived on, with its port; or a name listed in SGLANG_HARDEN_BOOTSTRAP_AUTHORITIES),
+so a token cannot be replayed to another bootstrap server. The server checks the token before it reads the body
+(the body must then hash to what the token says), compares MACs in constant time, refuses tokens older than the
+validity window and nonces it has seen; anything else gets 401 (the log line never holds the token). The rules are
+the sglang-harden plugin's own code, bundled below when the series is generated, so patched and plugin nodes of one
+deployment interoperate.
 
 Env (of every SGLang process of the deployment, prefill and decode):
-  SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE     the signing secret on the first line, optionally one more accepted secret
-                                          on the second (rotation: add the new one second everywhere, swap the
-                                          lines everywhere, drop the old one); each at least 32 characters; the
-                                          file is re-read when it changes
-  SGLANG_HARDEN_BOOTSTRAP_AUTH            enforce (default with a secret file) | log (refusals logged, served) | off
-  SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S  token validity in seconds (default 60)
+  SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE       the signing secret on the first line, optionally one more accepted
+                                            secret on the second (rotation: add the new one second everywhere, swap
+                                            the lines everywhere, drop the old one); each at least 32 characters,
+                                            UTF-8; the file is re-read when it changes
+  SGLANG_HARDEN_BOOTSTRAP_AUTH              enforce (default with a secret file) | log (refusals logged, served and
+                                            answers used) | off
+  SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S    token validity in seconds (default 60)
+  SGLANG_HARDEN_BOOTSTRAP_AUTHORITIES       other names of this bootstrap server (host:port, *:port or *, comma-
+                                            separated): DNS aliases, a Service in front of it
+  SGLANG_HARDEN_BOOTSTRAP_AUTH_ACCEPT_SGH1  1: also accept sgh1 tokens (no Host binding) while a fleet rolls out
 No secret file: nothing is signed or checked and a WARNING says the control plane is unauthenticated.
-``enforce`` asked for without a secret file, or an unusable secret file: importing this module raises
+``enforce`` asked for without a secret file, or an unusable setting or secret file: importing this module raises
 ``ConfigurationError`` (the server refuses to start).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import hmac
 import logging
 import os
-import secrets
-import stat
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any, Dict, Optional, Tuple
+import urllib.request
+from enum import Enum
+from typing import Any, Dict, Optional
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
-HEADER = "X-SGLang-Harden-Auth"
-VERSION = "sgh1"
 ENV_SECRET_FILE = "SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"
 ENV_MODE = "SGLANG_HARDEN_BOOTSTRAP_AUTH"
 ENV_MAX_AGE = "SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S"
-MODES = ("enforce", "log", "off")
-OPEN_PATHS = frozenset({"/health"})
-MIN_SECRET_CHARS = 32
-MAX_SECRETS = 2
-NONCE_CHARS = 32
-MAX_TOKEN_CHARS = 256
-MAX_NONCES = 200_000
-RELOAD_EVERY_S = 1.0
-BODY_READ_TIMEOUT_S = 10.0
-# What a bootstrap handler raises on a body of the wrong shape: the sender's error (400), not the server's (500).
-MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, ArithmeticError)
+ENV_AUTHORITIES = "SGLANG_HARDEN_BOOTSTRAP_AUTHORITIES"
+ENV_ACCEPT_SGH1 = "SGLANG_HARDEN_BOOTSTRAP_AUTH_ACCEPT_SGH1"
 
 
 class ConfigurationError(RuntimeError):
     """The authentication settings cannot be used (the message never contains a secret)."""
 
 
-def parse_secrets(text: str) -> Tuple[bytes, ...]:
-    """The accepted secrets, signing secret first (blank lines and ``#`` comments ignored)."""
-    found = [line.strip() for line in text.splitlines()]
-    found = [line for line in found if line and not line.startswith("#")]
-    if not found:
-        raise ConfigurationError("the bootstrap secret file holds no secret")
-    if len(found) > MAX_SECRETS:
-        raise ConfigurationError(f"the bootstrap secret file holds {len(found)} secrets; at most {MAX_SECRETS}")
-    for number, secret in enumerate(found, start=1):
-        if len(secret) < MIN_SECRET_CHARS:
-            raise ConfigurationError(f"secret {number} in the bootstrap secret file is {len(secret)} characters; "
-                                     f"at least {MIN_SECRET_CHARS} (e.g. `openssl rand -hex 32`)")
-    return tuple(secret.encode() for secret in found)
+# <prelude>
 
 
-def _body_digest(body: Any) -> str:
-    data = body.encode() if isinstance(body, str) else (body or b"")
-    return hashlib.sha256(data).hexdigest()
+# <bundle sglang_harden/guards/base.py sglang_harden/guards/bootstrap_auth.py sglang_harden/compat/control_keys.py sglang_harden/compat/bootstrap_http.py sglang_harden/compat/signing_client.py>
 
 
-def _mac(key: bytes, method: str, target: str, digest: str, timestamp: int, nonce: str) -> str:
-    message = f"{VERSION}\n{method.upper()}\n{target}\n{digest}\n{timestamp}\n{nonce}".encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+# ---- the backport's own glue: the environment in, SGLang's server and clients protected
 
 
-class _Nonces:
-    """Nonces seen inside the validity window. Full of unexpired ones: the caller refuses (forgetting one early
-    would let its token be replayed)."""
+class Authenticator(ControlKeys):
+    """This process's control-plane keys (``ControlKeys``) and its mode."""
 
-    def __init__(self, window_s: float) -> None:
-        self._window_s = window_s
-        self._seen: "OrderedDict[str, float]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def first_use(self, nonce: str, now: float) -> Optional[bool]:
-        with self._lock:
-            while self._seen and next(iter(self._seen.values())) <= now:
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                return False
-            if len(self._seen) >= MAX_NONCES:
-                return None
-            self._seen[nonce] = now + self._window_s
-            return True
-
-
-class Authenticator:
-    """The secrets of this process (re-read when the file changes) and its replay cache."""
-
-    def __init__(self, path: str, mode: str, max_age_s: float) -> None:
-        self.path, self.mode, self.max_age_s = path, mode, max_age_s
-        self._stamp = self._file_stamp()
-        self._secrets = parse_secrets(self._read())
-        self._checked_at = time.monotonic()
-        self._nonces = _Nonces(2 * max_age_s + 5)
-        if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            logger.warning("pd_auth: the bootstrap secret file %s is readable by group or others; chmod 600 it", path)
-
-    def _read(self) -> str:
+    def __init__(self, path: str, mode: str, max_age_s: float, accept_sgh1: bool, listed: frozenset) -> None:
         try:
-            with open(self.path, encoding="utf-8") as handle:
-                return handle.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigurationError(f"cannot read the bootstrap secret file {self.path}: {exc}") from None
+            secrets_file = SecretFile(path)
+        except SecretFileError as exc:
+            raise ConfigurationError(str(exc)) from None
+        super().__init__(secrets_file, self._report, max_age_s=max_age_s, accept_sgh1=accept_sgh1, listed=listed)
+        self.path, self.mode = path, mode
 
-    def _file_stamp(self) -> Tuple[int, int]:
-        info = os.stat(self.path)
-        return info.st_mtime_ns, info.st_size
+    def _report(self, decision: Decision, about: Any) -> bool:
+        """Log a refusal (never the token); True when it is applied (enforce)."""
+        if decision.allows:
+            return False
+        what = (f"{about.get('method')} {about.get('path')} from {about.get('remote')}" if "path" in about
+                else f"the answer from {about.get('url')}")
+        names = decision.fields.get("names")
+        logger.warning("pd_auth: %s %s: %s%s", "refused" if self.mode == "enforce" else "would refuse", what,
+                       decision.reason, f" (this server answers to {names})" if names else "")
+        return self.mode == "enforce"
 
-    def accepted(self) -> Tuple[bytes, ...]:
-        """The secrets, re-read at most once a second when the file changed. A file that became unreadable or
-        invalid keeps the last good secrets (and says so): authentication never switches itself off."""
-        now = time.monotonic()
-        if now - self._checked_at >= RELOAD_EVERY_S:
-            self._checked_at = now
-            try:
-                stamp = self._file_stamp()
-                if stamp != self._stamp:
-                    self._secrets, self._stamp = parse_secrets(self._read()), stamp
-                    logger.warning("pd_auth: bootstrap secret file %s re-read (%d secret(s) accepted)", self.path,
-                                   len(self._secrets))
-            except (OSError, ConfigurationError) as exc:
-                logger.error("pd_auth: bootstrap secret file %s unusable (%s); keeping the last good secrets",
-                             self.path, exc)
-        return self._secrets
+    def accepted(self) -> tuple:
+        return self.refreshed().accepted
 
-    def token(self, method: str, target: str, body: Any) -> str:
-        timestamp, nonce = int(time.time()), secrets.token_hex(NONCE_CHARS // 2)
-        mac = _mac(self.accepted()[0], method, target, _body_digest(body), timestamp, nonce)
-        return f"{VERSION}.{timestamp}.{nonce}.{mac}"
+    def refusal(self, method: str, authority: Optional[str], target: str, body: bytes, token: Optional[str],
+                identity: Optional[ServerIdentity] = None) -> Optional[str]:
+        """None when a request to this process's server may be served, else why not (tests and tools)."""
+        identity = identity or ServerIdentity(None, listed=frozenset({"*"}))
+        decision = verify(self.refreshed(), RequestHead(method, authority, target), body, token, self.nonces,
+                          identity=identity, max_age_s=self.max_age_s, accept_sgh1=self.accept_sgh1)
+        return None if decision.allows else decision.reason
 
-    def refusal(self, method: str, target: str, body: bytes, token: Optional[str]) -> Optional[str]:
-        """None when the request may be served, else why not (never quoting the token)."""
-        if not token:
-            return "missing control-plane token"
-        parts = token.split(".")
-        if (len(token) > MAX_TOKEN_CHARS or len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit()
-                or len(parts[2]) != NONCE_CHARS or len(parts[3]) != 64):
-            return "malformed control-plane token"
-        timestamp, nonce, presented = int(parts[1]), parts[2], parts[3].encode()
-        digest = _body_digest(body)
-        if not any(hmac.compare_digest(_mac(key, method, target, digest, timestamp, nonce).encode(), presented)
-                   for key in self.accepted()):
-            return "control-plane token does not match (wrong secret, or method, path, query or body changed)"
-        now = time.time()
-        if abs(now - timestamp) > self.max_age_s:
-            return f"control-plane token is {now - timestamp:.0f} s old (accepted: within {self.max_age_s:.0f} s)"
-        first = self._nonces.first_use(nonce, now)
-        if first is None:
-            return "too many control-plane requests inside the replay window; cannot rule out a replay"
-        return None if first else "control-plane token replayed"
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", "0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ConfigurationError(f"{name}={value!r}: expected 1 or 0")
+    return value in ("1", "true", "yes", "on")
 
 
 def _load() -> Optional[Authenticator]:
@@ -198,67 +127,65 @@ def _load() -> Optional[Authenticator]:
         raise ConfigurationError(f"{ENV_MAX_AGE} must be a number of seconds") from None
     if not max_age_s > 0:
         raise ConfigurationError(f"{ENV_MAX_AGE} must be > 0")
+    try:
+        listed = parse_listed(os.environ.get(ENV_AUTHORITIES, ""))
+    except ValueError as exc:
+        raise ConfigurationError(f"{ENV_AUTHORITIES}: {exc}") from None
     if not os.path.isfile(path):
         raise ConfigurationError(f"the bootstrap secret file {path} does not exist")
-    authenticator = Authenticator(path, mode or "enforce", max_age_s)
+    authenticator = Authenticator(path, mode or "enforce", max_age_s, _flag(ENV_ACCEPT_SGH1), listed)
     logger.info("pd_auth: PD control plane authenticated (%s mode, %d secret(s))", authenticator.mode,
                 len(authenticator.accepted()))
     return authenticator
 
 
 AUTH = _load()
+SIGNER = CurrentSigner(lambda: AUTH)
 
 
-def headers(method: str, target: str, body: Any) -> Dict[str, str]:
-    """The token header for one request to a bootstrap server ({} when not configured)."""
-    return {HEADER: AUTH.token(method, target, body)} if AUTH is not None else {}
+def headers(method: str, authority: str, target: str, body: Any) -> Dict[str, str]:
+    """The token header of one request to the bootstrap server at ``authority`` ({} when not configured)."""
+    return SIGNER.headers(method, authority, target, body)
+
+
+class UntrustedAnswer(OSError):
+    """A bootstrap server's answer that was not signed for the request (raised where the caller expects OSError)."""
+
+
+def trusted_body(request: urllib.request.Request, response: Any, limit: int) -> bytes:
+    """The body of ``response`` (at most ``limit`` bytes) to the signed urllib ``request``; UntrustedAnswer when
+    the server did not sign it for that request."""
+    body = response.read(limit)
+    token = request.get_header(HEADER.capitalize())  # urllib capitalizes the names it stores
+    sent = {HEADER: token} if token else {}
+    split = urlsplit(request.full_url)
+    refusal = SIGNER.answer_refusal(sent, response.status, response.headers, body, url=f"{split.netloc}{split.path}")
+    if refusal is not None:
+        raise UntrustedAnswer(refusal)
+    return body
 
 
 # ------------------------------------------------------------------ server side
 
 
-def protect(app: Any) -> None:
-    """Every request to the bootstrap server's ``app`` (except ``/health``) passes the token check."""
+def protect(app: Any, host: Optional[str], port: Optional[int]) -> None:
+    """Every request to the bootstrap server's ``app`` on ``host:port`` (except ``/health``) passes the token
+    check, and its answers are signed."""
     from aiohttp import web
 
-    if AUTH is not None:
-        app.middlewares.append(web.middleware(_check_token))
+    if AUTH is None:
+        return
+    identity = server_identity(host, port, AUTH.listed)
 
+    async def check_token(request: Any, handler: Any) -> Any:
+        return await checked_request(AUTH, identity, request, handler, label="pd_auth")
 
-async def _check_token(request: Any, handler: Any) -> Any:
-    from aiohttp import web
-
-    if request.path in OPEN_PATHS:
-        return await handler(request)
-    try:  # the app's client_max_size bounds the size (413), this the time
-        body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        logger.warning("pd_auth: %s %s from %s: body not received within %.0f s; refused", request.method,
-                       request.path, request.remote, BODY_READ_TIMEOUT_S)
-        return await answer_and_hang_up(request, web.Response(status=408, text="request body too slow\n"))
-    reason = AUTH.refusal(request.method, request.raw_path, body, request.headers.get(HEADER))
-    if reason is not None:
-        logger.warning("pd_auth: %s %s %s from %s: %s", "refused" if AUTH.mode == "enforce" else "would refuse",
-                       request.method, request.path, request.remote, reason)
-        if AUTH.mode == "enforce":
-            return web.Response(status=401, text=f"pd_auth: {reason}\n")
-    try:
-        return await handler(request)
-    except MALFORMED as exc:
-        logger.warning("pd_auth: malformed %s %s from %s: %s", request.method, request.path, request.remote,
-                       type(exc).__name__)
-        return web.Response(status=400, text=f"malformed request ({type(exc).__name__})\n")
-
-
-# <embed sglang_harden/compat/bootstrap_http.py>
+    app.middlewares.append(web.middleware(check_token))
 
 
 # ------------------------------------------------------------------ client side
 
 
-# <embed sglang_harden/compat/signing_client.py>
-
-
-def signing(requests_module: ModuleType) -> ModuleType:
-    """``requests`` itself when the control plane is unauthenticated, else a signing proxy of it."""
-    return SigningRequests(requests_module, headers) if AUTH is not None else requests_module
+def signing(requests_module: Any) -> Any:
+    """``requests`` itself when the control plane is unauthenticated, else a signing, answer-checking proxy."""
+    return SigningRequests(requests_module, SIGNER) if AUTH is not None else requests_module

@@ -39,19 +39,28 @@ WAIT_ENV = "SGLANG_HARDEN_CHECKSUM_WAIT_MS"
 BODY_LIMIT = 256 * 1024
 
 
-def _auth_headers(method: str, target: str, body: object) -> dict:
-    """The control-plane patch's token for one request to a bootstrap server ({} without a secret)."""
-    from sglang.srt.disaggregation.common import pd_auth
+class _AuthSigner:
+    """The control-plane patch's signer (``pd_auth.SIGNER``), looked up at each request: the token of a request to
+    a bootstrap server ({} without a secret) and the check of its answer."""
 
-    return pd_auth.headers(method, target, body)
+    def headers(self, method: str, authority: str, target: str, body: object) -> dict:
+        from sglang.srt.disaggregation.common import pd_auth
+
+        return pd_auth.SIGNER.headers(method, authority, target, body)
+
+    def answer_refusal(self, sent: object, status: int, answer: object, body: bytes, **about: object) -> object:
+        from sglang.srt.disaggregation.common import pd_auth
+
+        return pd_auth.SIGNER.answer_refusal(sent, status, answer, body, **about)
 
 
 class _Signing:
-    """sglang-harden's ``compat.signing`` here: one kept-alive client whose requests carry pd_auth's token."""
+    """sglang-harden's ``compat.signing`` here: one kept-alive client whose requests carry pd_auth's token and
+    whose answers pd_auth checks."""
 
     @property
     def CLIENT(self) -> object:  # noqa: N802 - the plugin module's name
-        return SideChannelClient(_auth_headers)
+        return SideChannelClient(_AuthSigner())
 
 
 signing = _Signing()

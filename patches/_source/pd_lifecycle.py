@@ -19,8 +19,11 @@ decode
   transfer's pages quarantined from the ledger's own copy of them; a committed request's free and an eviction pass
   (the ledger learns of them from a copy to pinned memory, without the scheduler waiting); only a free nobody can
   attribute while a transfer is in flight is read on the host (series without those edits: every such free);
-- ``note_ack`` (``CommonKVManager.note_abort_ack``) and ``note_sender_gone`` (``_handle_node_failure``): drain
-  evidence, from the receiver threads;
+- ``note_ack`` (``CommonKVManager.note_abort_ack``, with its generation on 0.5.22+) and ``note_sender_gone``
+  (``_handle_node_failure``): drain evidence, from the receiver threads. An acknowledgement counts only for a live
+  transfer of its room whose abort notice was armed (``note_abort_notice``, at the top of the receiver's
+  ``_send_abort_notification``), at the generation that notice carries, from a prefill rank the transfer targets,
+  once (sglang-harden's ``guards/drain_acks.py``); any other is counted (``dropped_acks``) and ignored;
 - ``release_drained`` (``DecodeTransferQueue.pop_transferred``, the scheduler thread): quarantined pages whose
   writers drained go to the free list;
 - ``quarantine_refusal`` (``DecodePreallocQueue.add``, a new request): at the quarantine cap it is refused with 503.
@@ -41,6 +44,8 @@ release already has (decode's notice to each prefill rank's bootstrap socket, pr
 - ``chunk_starts`` / ``chunk_done`` (prefill's transfer worker): a chunk is counted in flight before the worker
   looks at whether decode aborted its room;
 - ``ack_frames_received`` (decode's receiver thread): an acknowledgement is drain evidence like ``note_ack``.
+Malformed ``SGH_*`` frames are counted and dropped (the listener thread they arrive on keeps serving); prefill's
+acknowledgement sockets are kept per decode endpoint, at most ``MAX_ACK_SOCKETS`` (least recently used closed).
 
 The ledger and the rules are sglang-harden's own code (``guards/page_ledger.py``, ``guards/lifecycle.py``), put in
 below when the series is generated, so a patched and a plugin node judge alike. ``SGLANG_HARDEN_LIFECYCLE``:
@@ -55,6 +60,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from enum import Enum
 
@@ -80,7 +86,7 @@ def ledger_library() -> None:
 # <prelude>
 
 
-# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py sglang_harden/compat/drain_ack.py sglang_harden/kernels/device.py sglang_harden/compat/free_context.py>
+# <bundle sglang_harden/guards/base.py sglang_harden/kernels/page_arrays.py sglang_harden/guards/page_ledger.py sglang_harden/guards/lifecycle.py sglang_harden/guards/drain_acks.py sglang_harden/compat/drain_ack.py sglang_harden/kernels/device.py sglang_harden/compat/free_context.py>
 
 
 # ---- the backport's own glue: SGLang's objects in, the guard's decisions out
@@ -146,7 +152,7 @@ class DecodeLifecycle:
         self.transfers: dict[str, Transfer] = {}
         self.held: dict[str, list[HeldFree]] = {}  # owner -> frees kept back until its writer drains
         self.learning = LandingQueue()  # frees that passed, on their way to the host
-        self._acks: dict[int, set[int]] = {}
+        self.acks = AckBook()  # the drain acknowledgements of the live transfers
         self._gone: set[str] = set()
         self._lock = threading.Lock()
 
@@ -159,9 +165,12 @@ class DecodeLifecycle:
             self._reserve(owner, pages)
         except LedgerError as exc:
             return f"destination page not free in the page ledger when handed to the transfer: {exc}"
-        with self._lock:
-            self._acks.pop(room, None)  # acknowledgements of an earlier use of this room are not this one's
         self.transfers[owner] = Transfer(room, pages, required_acks, addr, receiver)
+        # acknowledgements of an earlier use of this room are not this one's
+        opened = self.acks.open(room, expected_ack_ranks(receiver), notice_sent(receiver),
+                                lambda: notice_generation(receiver))
+        if not opened.allows:
+            _dropped(str(opened.fields["why"]), opened.reason)
         return None
 
     def _reserve(self, owner: str, pages: Any) -> None:
@@ -177,6 +186,7 @@ class DecodeLifecycle:
     def commit(self, room: int) -> None:
         transfer = self.transfers.pop(f"room:{room}", None)
         if transfer is not None:
+            self.acks.close(room)
             self.ledger.move_bulk(f"room:{room}", transfer.pages, PageState.WRITTEN)
 
     def in_flight(self, room: int | None) -> Transfer | None:
@@ -212,9 +222,19 @@ class DecodeLifecycle:
             self.ledger.release_bulk(owner, owned, writer_drained=True)
 
     # ---- drain evidence (any thread)
-    def note_ack(self, room: int, rank: int) -> None:
-        with self._lock:
-            self._acks.setdefault(room, set()).add(rank)
+    def note_ack(self, room: int, rank: int, generation: int | None = None) -> bool:
+        """A prefill rank's drain acknowledgement; True when it counts (else it is counted as dropped)."""
+        decision = self.acks.note(room, rank, generation)
+        if decision.verdict is not Verdict.ALLOW:  # a duplicate too
+            _dropped(str(decision.fields["why"]), decision.reason)
+            return False
+        return True
+
+    def arm(self, receiver: Any) -> None:
+        """``receiver`` is about to send its abort notice: its transfer's acknowledgements may come now."""
+        transfer = self.transfers.get(f"room:{getattr(receiver, 'bootstrap_room', None)}")
+        if transfer is not None and transfer.receiver is receiver:
+            self.acks.arm(transfer.room)
 
     def note_gone(self, addr: str) -> None:
         with self._lock:
@@ -224,8 +244,9 @@ class DecodeLifecycle:
         transfer = self.transfers.get(owner)
         if transfer is None:
             return False
+        acked = self.acks.count(transfer.room)  # targets unknown (required 0): only a gone sender drains it
         with self._lock:
-            evidence = DrainEvidence(transfer.required_acks, len(self._acks.get(transfer.room, ())),
+            evidence = DrainEvidence(max(transfer.required_acks, acked.required), acked.acked,
                                      sender_gone=transfer.addr in self._gone)
         return writer_drained(evidence)
 
@@ -265,6 +286,7 @@ class DecodeLifecycle:
         """Prefill acknowledges a drained room only after an abort notice from decode: make sure one went out."""
         if transfer is None:
             return
+        self.acks.arm(transfer.room)  # before the notice: its acknowledgement may come back at once
         try:
             send_abort_notice(transfer.receiver)
         except Exception as exc:  # noqa: BLE001 - best effort: without an acknowledgement the pages stay held
@@ -274,8 +296,7 @@ class DecodeLifecycle:
     def _forget(self, owner: str) -> None:
         transfer = self.transfers.pop(owner, None)
         if transfer is not None:
-            with self._lock:
-                self._acks.pop(transfer.room, None)
+            self.acks.close(transfer.room)
 
     # ---- leaving quarantine (scheduler thread)
     def drained_pages(self) -> tuple[list[HeldFree], list[int]]:
@@ -486,10 +507,84 @@ def release_drained() -> None:
     _give_back(node, given_back, loose)
 
 
-def note_ack(room: int, rank: int) -> None:
+def note_ack(room: int, rank: int, generation: int | None = None) -> None:
+    """Decode's receiver thread: prefill rank ``rank`` acknowledged that its writes of ``room`` drained
+    (``generation``: the one its acknowledgement names, 0.5.22+)."""
     node = NODE
     if node is not None:
-        node.note_ack(int(room), int(rank))
+        node.note_ack(int(room), int(rank), None if generation is None else int(generation))
+
+
+def note_abort_notice(receiver: Any) -> None:
+    """Decode: ``receiver``'s abort notice is about to go out; acknowledgements of its transfer may come from now
+    on (before the send: one can come back before the receiver records that it notified)."""
+    node = NODE
+    if node is not None:
+        node.arm(receiver)
+
+
+def ranked_ack_received(frames: list) -> None:
+    """Decode's receiver thread (0.5.18): upstream's ``[ABORT_ACK, room, prefill rank]``, the rank-naming
+    acknowledgement this module's prefill sends; a malformed one is counted and dropped."""
+    ack = _parsed_ack(frames)
+    if ack is None:
+        _dropped("malformed_ack", f"{len(frames)} frames")
+        return
+    note_ack(*ack)
+
+
+# acknowledgements and notices not acted on, by why (drain_acks' reasons, malformed frames)
+_DROPPED: dict[str, int] = {}
+_DROPPED_LOCK = threading.Lock()
+
+
+def _dropped(why: str, detail: str) -> None:
+    """Count an acknowledgement or notice this module ignored; logged at the 1st, 2nd, 4th, 8th … of each kind."""
+    with _DROPPED_LOCK:
+        count = _DROPPED[why] = _DROPPED.get(why, 0) + 1
+    if count & (count - 1) == 0:
+        logger.warning("sglang-harden lifecycle drain_ack_dropped (%s, %s so far): %s", why, count, detail)
+
+
+def dropped_acks() -> dict[str, int]:
+    """How many acknowledgements and notices were ignored so far, by why."""
+    with _DROPPED_LOCK:
+        return dict(_DROPPED)
+
+
+MAX_FRAME_DIGITS = 20
+
+
+def _frame_int(frame: Any, limit: int = 1 << 63) -> int | None:
+    """An ASCII decimal frame (digits only) as an int below ``limit``, or None."""
+    try:
+        text = bytes(frame).decode("ascii")
+    except (TypeError, ValueError):
+        return None
+    if not text.isdigit() or len(text) > MAX_FRAME_DIGITS:
+        return None
+    value = int(text)
+    return value if value < limit else None
+
+
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
+
+
+def _frame_host(frame: Any) -> str | None:
+    """A host name or IP address frame, or None."""
+    try:
+        text = bytes(frame).decode("ascii")
+    except (TypeError, ValueError):
+        return None
+    return text if 0 < len(text) <= 255 and set(text) <= _HOST_CHARS else None
+
+
+def _parsed_ack(frames: list) -> tuple[int, int] | None:
+    """(room, rank) of a three-frame acknowledgement ``[tag, room, rank]``, or None."""
+    if len(frames) != 3:
+        return None
+    room, rank = _frame_int(frames[1]), _frame_int(frames[2], 1 << 31)
+    return None if room is None or rank is None else (room, rank)
 
 
 def note_sender_gone(addr: str) -> None:
@@ -615,8 +710,7 @@ def send_drain_ack(manager: Any, room: int, decode_ip: str, decode_port: int) ->
         return
     from sglang.srt.utils.network import NetworkAddress
 
-    rank = (manager.attn_tp_rank * manager.pp_size * manager.attn_cp_size + manager.pp_rank * manager.attn_cp_size
-            + manager.attn_cp_rank)
+    rank = prefill_ack_rank(manager)
     try:
         address = NetworkAddress(decode_ip, decode_port)
         manager._send_multipart_locked(address.to_tcp(), [b"ABORT_ACK", str(room).encode("ascii"),
@@ -632,7 +726,10 @@ ABORT_NOTICE = b"SGH_ABORT"  # decode -> each prefill rank: room, decode ip, dec
 ACK_NOTICE = b"SGH_ABORT_ACK"  # prefill rank -> decode: room, prefill rank (3 frames, as 0.4.x's status message)
 _ABORTED: dict[tuple[int, int], None] = {}  # (id(manager), room): decode aborted it (oldest age out)
 _CHUNKS: dict[tuple[int, int], int] = {}  # (id(manager), room): chunks the transfer worker holds
-_ACK_SOCKETS: dict[str, Any] = {}
+MAX_ACK_SOCKETS = 256  # prefill: acknowledgement sockets kept open, one per decode endpoint (least recent closed)
+ACK_LINGER_MS = 1000  # a closed socket's queued acknowledgement still has this long to go out
+_ACK_SOCKETS: OrderedDict[str, Any] = OrderedDict()
+_SOCKETS_LOCK = threading.Lock()
 
 
 def _chunks_in_flight(manager: Any, room: int) -> int:
@@ -646,6 +743,7 @@ def _chunks_in_flight(manager: Any, room: int) -> int:
 def send_abort_notice_frames(receiver: Any) -> None:
     """Decode: tell every prefill rank of the receiver's room to stop writing it and to acknowledge its drain."""
     mgr = receiver.kv_mgr
+    note_abort_notice(receiver)
     frames = [ABORT_NOTICE, str(receiver.bootstrap_room).encode("ascii"), str(mgr.local_ip).encode("ascii"),
               str(mgr.rank_port).encode("ascii")]
     for info in receiver.bootstrap_infos:
@@ -659,9 +757,30 @@ def abort_notice_received(manager: Any, frames: list) -> bool:
     room's chunks are dropped, and decode is acknowledged once none of them is in flight)."""
     if not frames or frames[0] != ABORT_NOTICE:
         return False
-    room, decode_ip, decode_port = int(frames[1]), frames[2].decode("ascii"), int(frames[3])
+    notice = _parsed_notice(frames)
+    if notice is None:
+        _dropped("malformed_notice", f"{len(frames)} frames")
+        return True
     if MODE == "off":
         return True
+    try:
+        _abort_noticed(manager, *notice)
+    except Exception as exc:  # noqa: BLE001 - the bootstrap thread must keep serving; the room stays as it was
+        _dropped("notice_failed", f"room {notice[0]}: {exc!r}")
+    return True
+
+
+def _parsed_notice(frames: list) -> tuple[int, str, int] | None:
+    """(room, decode ip, decode port) of ``[SGH_ABORT, room, ip, port]``, or None."""
+    if len(frames) != 4:
+        return None
+    room, decode_ip, decode_port = _frame_int(frames[1]), _frame_host(frames[2]), _frame_int(frames[3], 65536)
+    if room is None or decode_ip is None or not decode_port:
+        return None
+    return room, decode_ip, decode_port
+
+
+def _abort_noticed(manager: Any, room: int, decode_ip: str, decode_port: int) -> None:
     with _ACK_LOCK:
         _ABORTED[(id(manager), room)] = None
         while len(_ABORTED) > MAX_FAILED_ROOMS:
@@ -710,29 +829,49 @@ def _fail_room(manager: Any, room: int) -> None:
         manager.update_status(int(room), KVPoll.Failed)
 
 
+def _ack_socket(zmq: Any, endpoint: str, ipv6: bool) -> Any:
+    """The acknowledgement socket to ``endpoint`` (under ``_SOCKETS_LOCK``): this module's own, SGLang's are used
+    from its worker threads unlocked. At most ``MAX_ACK_SOCKETS``: the least recently used is closed."""
+    sock = _ACK_SOCKETS.get(endpoint)
+    if sock is not None:
+        _ACK_SOCKETS.move_to_end(endpoint)
+        return sock
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        sock.setsockopt(zmq.LINGER, ACK_LINGER_MS)
+        if ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+    except Exception:
+        sock.close(linger=0)
+        raise
+    _ACK_SOCKETS[endpoint] = sock
+    while len(_ACK_SOCKETS) > MAX_ACK_SOCKETS:
+        _ACK_SOCKETS.popitem(last=False)[1].close()
+    return sock
+
+
 def _send_ack_frames(manager: Any, room: int, decode_ip: str, decode_port: int) -> None:
     import zmq
 
     ipv6 = ":" in decode_ip
     endpoint = f"tcp://[{decode_ip}]:{decode_port}" if ipv6 else f"tcp://{decode_ip}:{decode_port}"
+    frames = [ACK_NOTICE, str(room).encode("ascii"), str(prefill_ack_rank(manager)).encode("ascii")]
     try:
-        with _ACK_LOCK:  # a socket of this module's own: SGLang's are used from its worker threads unlocked
-            sock = _ACK_SOCKETS.get(endpoint)
-            if sock is None:
-                sock = zmq.Context.instance().socket(zmq.PUSH)
-                if ipv6:
-                    sock.setsockopt(zmq.IPV6, 1)
-                sock.connect(endpoint)
-                _ACK_SOCKETS[endpoint] = sock
-            sock.send_multipart([ACK_NOTICE, str(room).encode("ascii"),
-                                 str(manager.kv_args.engine_rank).encode("ascii")])
+        with _SOCKETS_LOCK:  # never blocks: a full pipe (decode not reading) drops the acknowledgement
+            _ack_socket(zmq, endpoint, ipv6).send_multipart(frames, flags=zmq.NOBLOCK)
     except Exception as exc:  # noqa: BLE001 - without it decode keeps the pages held (safe), so say it
         logger.warning("sglang-harden lifecycle: drain acknowledgement of room %s to %s failed: %r", room, endpoint, exc)
 
 
 def ack_frames_received(frames: list) -> bool:
-    """Decode's receiver thread: True when ``frames`` is a prefill rank's drain acknowledgement (recorded here)."""
-    if len(frames) != 3 or frames[0] != ACK_NOTICE:
+    """Decode's receiver thread: True when ``frames`` is a prefill rank's drain acknowledgement (recorded here if
+    it counts; a malformed one is counted and dropped)."""
+    if not frames or frames[0] != ACK_NOTICE:
         return False
-    note_ack(int(frames[1]), int(frames[2]))
+    ack = _parsed_ack(frames)
+    if ack is None:
+        _dropped("malformed_ack", f"{len(frames)} frames")
+        return True
+    note_ack(*ack)
     return True

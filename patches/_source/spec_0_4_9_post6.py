@@ -212,7 +212,9 @@ def auth_patch_049() -> tuple[str, str, list]:
          "# sglang-harden backport: every request this module sends to a bootstrap server is signed.\n"
          "requests = pd_auth.signing(requests)\n"),
         (MOONCAKE, REJECTION_ROUTES,
-         REJECTION_ROUTES + "        pd_auth.protect(self.app)  # sglang-harden backport: a token on every route but /health\n"),
+         REJECTION_ROUTES + "        # sglang-harden backport: a token for this server on every route but /health (0.4.x binds\n"
+         "        # every address: no host of its own)\n"
+         "        pd_auth.protect(self.app, None, self.port)\n"),
         *[edit for edit in auth_edits() if edit[0] == NEWMOD],
         (MOONCAKE, AUTH_STATUS_ANCHOR, AUTH_STATUS_AGAIN),
     ])

@@ -3,10 +3,13 @@
 from common_text import (
     DECODE,
     MOONCAKE,
+    NOTICE_0519,
     UNGATED_DIGEST_CHECK,
     digest_patch,
     lifecycle_patch,
+    notice_arms_acks,
 )
+from side_channels_text import side_channels_patch
 from spec_0_5_19 import UNGATED_PATCHES as _PATCHES_0519
 
 FAKE_0519 = "_is_fake_transfer(decode_req.req)"
@@ -54,7 +57,8 @@ ACK_EDITS_0518 = [
      "                        continue\n" + ACK_UPSTREAM),
     (MOONCAKE, ACK_RECEIVED, ACK_RECEIVED +
      "                    if len(msg) >= 3:  # sglang-harden backport: a drain acknowledgement names its rank\n"
-     "                        pd_lifecycle.note_ack(ack_aborted_room, int(msg[2].decode(\"ascii\")))\n"),
+     "                        pd_lifecycle.ranked_ack_received(msg)\n"),
+    notice_arms_acks(NOTICE_0519),
 ]
 
 
@@ -75,4 +79,6 @@ def _lifecycle_0518() -> tuple:
 
 _SERIES = [patch for patch in _PATCHES_0519 if patch[0] not in ("page-lifecycle", "kv-digest")]
 PATCHES = [(name, header, [_for_0518(edit) for edit in edits])
-           for name, header, edits in [*_SERIES, _lifecycle_0518(), digest_patch(decode=UNGATED_DIGEST_CHECK)]]
+           for name, header, edits in [*_SERIES, _lifecycle_0518(), digest_patch(decode=UNGATED_DIGEST_CHECK),
+                                          side_channels_patch(daemon_threads=False, polled_recv=False,
+                                                              nixl_decode="decode_staging_thread")]]

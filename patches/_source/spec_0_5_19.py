@@ -1,4 +1,5 @@
 from common_text import *  # noqa: F403
+from side_channels_text import side_channels_patch
 
 _BEFORE_THE_GUARDS = [
     ("admission-at-both-doors", H_ADMISSION, [
@@ -132,5 +133,5 @@ def series(gated: bool) -> list:
     ]
 
 
-PATCHES = series(gated=True)
+PATCHES = [*series(gated=True), side_channels_patch(daemon_threads=False, polled_recv=False)]
 UNGATED_PATCHES = series(gated=False)

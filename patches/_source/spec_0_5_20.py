@@ -1,5 +1,6 @@
 from common_text import *  # noqa: F403
 import spec_0_5_19 as base
+from side_channels_text import side_channels_patch
 
 _by_name = {name: (name, header, list(edits)) for name, header, edits in base.PATCHES}
 
@@ -31,4 +32,5 @@ PATCHES = [
     _by_name["kv-canary"],
     lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
     _by_name["kv-digest"],
+    side_channels_patch(daemon_threads=False, polled_recv=False),
 ]

@@ -1,5 +1,6 @@
 from common_text import *  # noqa: F403
 import spec_0_5_20 as prev
+from side_channels_text import side_channels_patch
 
 _by_name = {name: (name, header, list(edits)) for name, header, edits in prev.PATCHES}
 
@@ -26,6 +27,7 @@ PATCHES = [
     _by_name["commit-gate"],
     page_tags_patch(" " * 8),  # the send_metadata call moved into _send_kv_metadata
     canary_patch(" " * 8),
-    lifecycle_patch(" " * 8, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
+    lifecycle_patch(" " * 8, ACK_EDITS_0521 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
     digest_patch(),
+    side_channels_patch(daemon_threads=True, polled_recv=True, nixl_bootstrap="bootstrap_thread_guarded"),
 ]

@@ -1,25 +1,40 @@
 """One HTTP client for the side channels between PD nodes (abort notices, KV digests): a kept-alive connection per
 (thread, address), a timeout on every exchange, a cap on the answer's size, and bounded retries for a post that must
-land. Every request carries the headers ``sign`` gives it (the control-plane token). Standard library only."""
+land. Every request carries the headers its signer gives it (the control-plane token), and an answer the signer
+refuses (not signed by the server for that request) is no answer: ``http.client.HTTPException``. Standard library
+only."""
 
 from __future__ import annotations
 
 import http.client
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-Sign = Callable[[str, str, "bytes | None"], dict[str, str]]
 MAX_ANSWER_BYTES = 1 << 22
+
+
+class UntrustedAnswer(http.client.HTTPException):
+    """An answer the signer refused: no answer (and not retried on another connection: the server did answer)."""
+
+
+class Signer(Protocol):
+    """The control plane's authentication as a client sees it (``compat/signing_client.Signer``)."""
+
+    def headers(self, method: str, authority: str, target: str, body: bytes | str | None) -> dict[str, str]: ...
+
+    def answer_refusal(self, sent: Mapping[str, str], status: int, answer: Mapping[str, Any], body: bytes,
+                       **about: object) -> str | None: ...
 
 
 class SideChannelClient:
     """``request`` is one round trip on an open socket where one is kept for this thread and address (a kept
     connection the server closed is replaced once); ``request_until`` retries a bounded number of times."""
 
-    def __init__(self, sign: Sign | None = None, max_answer_bytes: int = MAX_ANSWER_BYTES,
+    def __init__(self, signer: Signer | None = None, max_answer_bytes: int = MAX_ANSWER_BYTES,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        self._sign = sign
+        self._signer = signer
         self._max_answer_bytes = max_answer_bytes
         self._sleep = sleep
         self._local = threading.local()
@@ -36,7 +51,9 @@ class SideChannelClient:
             try:
                 if connection.sock is not None:
                     connection.sock.settimeout(timeout_s)
-                return self._exchange(connection, method, path, body)
+                return self._exchange(connection, method, addr, path, body)
+            except UntrustedAnswer:
+                raise
             except (http.client.HTTPException, OSError):
                 connections.pop(addr, None)
                 connection.close()
@@ -62,11 +79,11 @@ class SideChannelClient:
                 self._sleep(pause_s * attempt)
         return status, failure
 
-    def _exchange(self, connection: http.client.HTTPConnection, method: str, path: str,
+    def _exchange(self, connection: http.client.HTTPConnection, method: str, addr: str, path: str,
                   body: bytes | None) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"} if body is not None else {}
-        if self._sign is not None:
-            headers.update(self._sign(method, path, body))
+        sent = self._signer.headers(method, addr, path, body) if self._signer is not None else {}
+        headers.update(sent)
         connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         if int(response.getheader("Content-Length") or 0) > self._max_answer_bytes:
@@ -76,4 +93,8 @@ class SideChannelClient:
             raise http.client.HTTPException(f"answer longer than {self._max_answer_bytes} bytes")
         if response.will_close:
             connection.close()
+        if self._signer is not None:
+            refusal = self._signer.answer_refusal(sent, response.status, response.msg, answer, url=f"{addr}{path}")
+            if refusal is not None:
+                raise UntrustedAnswer(f"untrusted answer from {addr}: {refusal}")
         return response.status, answer

@@ -1,32 +1,32 @@
-"""Control-plane authentication inside SGLang's processes (the token rules: ``guards/bootstrap_auth.py``).
+"""Control-plane authentication inside SGLang's processes (the token rules: ``guards/bootstrap_auth.py``; the
+secret file, signing and the answer check: ``control_keys.py``; the server's check: ``bootstrap_http.py``; all
+three are what the backport series bundles too).
 
 - Server: the bootstrap server's aiohttp app gets a middleware that checks the token of every request to every
   route (SGLang's ``/route``, ``/register_dp_rank``, ``/query_dp_ranks`` and the routes sglang-harden adds),
-  except ``/health`` (liveness probes carry no secret and learn nothing).
+  except ``/health`` (liveness probes carry no secret and learn nothing), and signs the answers it serves.
 - Clients: SGLang's bootstrap client code reaches the bootstrap server through the ``requests`` module that
-  ``common/conn.py`` imported; that name is replaced by a proxy that signs every request it sends. Our own
-  abort and digest clients sign through :func:`outgoing_headers`.
+  ``common/conn.py`` imported; that name is replaced by a proxy that signs every request it sends and checks the
+  answers. Our own abort and digest clients sign and check through ``signing.CLIENT``.
 
 The secret is read from the file named by ``SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE`` (``--harden-bootstrap-secret-
 file``) and is never logged. Without it this module signs nothing and checks nothing: the control plane is
-unauthenticated, which start-up says once, and the guard is not reported armed.
+unauthenticated, which start-up says once, and the guard is not reported armed. Refusals (a request's token, an
+answer's signature) are counted and logged as the guard's decisions and applied in its mode.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
-import stat
 import threading
-import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 from sglang_harden import events
-from sglang_harden.compat import signing
-from sglang_harden.compat.bootstrap_http import answer_and_hang_up
+from sglang_harden.compat import bootstrap_http, signing
+from sglang_harden.compat.control_keys import ControlKeys, SecretFile
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.signing_client import SigningRequests
 from sglang_harden.config import HardenConfig, Mode, bootstrap_auth_requested
@@ -35,61 +35,19 @@ from sglang_harden.guards.base import Decision
 
 logger = logging.getLogger("sglang_harden")
 
-OPEN_PATHS = frozenset({"/health"})
-RELOAD_EVERY_S = 1.0
-
-
-@dataclass
-class ControlAuth:
-    """The secret file's keyring (re-read when the file changes: rotation without a restart) and the replay
-    cache of this process."""
-
-    path: Path
-    keyring: bootstrap_auth.Keyring
-    nonces: bootstrap_auth.NonceCache
-    max_age_s: float
-    stamp: tuple[int, int] = (0, 0)
-    checked_at: float = 0.0
-
-    def headers(self, method: str, target: str, body: bytes | str | None) -> dict[str, str]:
-        return {bootstrap_auth.HEADER: bootstrap_auth.sign(self.refreshed(), method, target, body)}
-
-    def check(self, method: str, target: str, body: bytes, token: str | None) -> Decision:
-        return bootstrap_auth.verify(self.refreshed(), method, target, body, token, self.nonces,
-                                     max_age_s=self.max_age_s)
-
-    def refreshed(self) -> bootstrap_auth.Keyring:
-        """The keyring, re-read at most once a second when the file's size or mtime changed. A file that became
-        unreadable or invalid keeps the last good keyring (and says so): authentication never switches off."""
-        now = time.monotonic()
-        if now - self.checked_at < RELOAD_EVERY_S:
-            return self.keyring
-        self.checked_at = now
-        try:
-            stamp = _stamp(self.path)
-            if stamp != self.stamp:
-                self.keyring, self.stamp = bootstrap_auth.parse_secrets(self.path.read_text()), stamp
-                logger.warning("sglang-harden: bootstrap secret file %s re-read (%d secret(s) accepted)", self.path,
-                               len(self.keyring.accepted))
-        except (OSError, bootstrap_auth.SecretFileError) as exc:
-            logger.error("sglang-harden: bootstrap secret file %s unusable (%s); keeping the last good secrets",
-                         self.path, exc)
-        return self.keyring
-
-
-def _stamp(path: Path) -> tuple[int, int]:
-    info = path.stat()
-    return info.st_mtime_ns, info.st_size
+def _report(decision: Decision, about: Mapping[str, object]) -> bool:
+    return events.record(decision, RUNTIME.config.bootstrap_auth, **about)
 
 
 _cache_lock = threading.Lock()
-_cache: dict[tuple[str, int], ControlAuth] = {}
+_cache: dict[tuple[object, ...], ControlKeys] = {}
 _warned_unauthenticated = False
 
 
-def load(config: HardenConfig) -> ControlAuth | None:
+def load(config: HardenConfig) -> ControlKeys | None:
     """The process's authenticator for ``config`` (None: not configured or off). Raises HardenRefusal when a
-    secret file is named but unusable, or enforce was asked for without one."""
+    secret file is named but unusable (unreadable, not UTF-8, not valid), the listed authorities are not valid,
+    or enforce was asked for without a secret file."""
     if config.bootstrap_auth is Mode.OFF:
         return None
     if not config.bootstrap_secret_file:
@@ -97,32 +55,30 @@ def load(config: HardenConfig) -> ControlAuth | None:
             raise HardenRefusal("sglang-harden: --harden-bootstrap-auth enforce needs a secret: set "
                                 "--harden-bootstrap-secret-file PATH (SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE)")
         return None
-    key = (config.bootstrap_secret_file, config.bootstrap_auth_max_age_s)
+    key = (config.bootstrap_secret_file, config.bootstrap_auth_max_age_s, config.bootstrap_authorities,
+           config.bootstrap_auth_accept_sgh1)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _read(Path(config.bootstrap_secret_file), float(config.bootstrap_auth_max_age_s))
+            _cache[key] = _read(config)
         return _cache[key]
 
 
-def _read(path: Path, max_age_s: float) -> ControlAuth:
+def _read(config: HardenConfig) -> ControlKeys:
     try:
-        text = path.read_text()
-        info = path.stat()
-    except OSError as exc:
-        raise HardenRefusal(f"sglang-harden: cannot read the bootstrap secret file {path}: "
-                            f"{exc.strerror or exc}") from None
+        listed = bootstrap_auth.parse_listed(config.bootstrap_authorities)
+    except ValueError as exc:
+        raise HardenRefusal(f"sglang-harden: --harden-bootstrap-authorities: {exc}") from None
+    if config.bootstrap_auth_max_age_s <= 0:
+        raise HardenRefusal("sglang-harden: --harden-bootstrap-auth-max-age-s must be > 0")
     try:
-        keyring = bootstrap_auth.parse_secrets(text)
+        secrets = SecretFile(config.bootstrap_secret_file)
     except bootstrap_auth.SecretFileError as exc:
-        raise HardenRefusal(f"sglang-harden: {path}: {exc}") from None
-    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning("sglang-harden: the bootstrap secret file %s is readable by group or others (mode %o); "
-                       "chmod 600 it", path, stat.S_IMODE(info.st_mode))
-    return ControlAuth(path, keyring, bootstrap_auth.NonceCache(2 * max_age_s + 5), max_age_s,
-                       (info.st_mtime_ns, info.st_size), time.monotonic())
+        raise HardenRefusal(f"sglang-harden: {exc}") from None
+    return ControlKeys(secrets, _report, max_age_s=float(config.bootstrap_auth_max_age_s),
+                       accept_sgh1=config.bootstrap_auth_accept_sgh1, listed=listed)
 
 
-def current() -> ControlAuth | None:
+def current() -> ControlKeys | None:
     return load(RUNTIME.config)
 
 
@@ -147,65 +103,44 @@ def warn_if_unauthenticated(role: str) -> None:
                    "digests")
 
 
-def outgoing_headers(method: str, target: str, body: bytes | str | None) -> dict[str, str]:
-    """The token header for one request of ours to a bootstrap server ({} when not configured)."""
-    auth = current()
-    return auth.headers(method, target, body) if auth is not None else {}
+def outgoing_headers(method: str, authority: str, target: str, body: bytes | str | None) -> dict[str, str]:
+    """The token header for one request of ours to the bootstrap server at ``authority`` ({} when not
+    configured)."""
+    return signing.SIGNER.headers(method, authority, target, body)
 
 
-signing.register(outgoing_headers)  # what notify's and digest_channel's clients sign with
+signing.register(current)  # what notify's and digest_channel's clients sign with
 
 
 # ---------------------------------------------------------------- server side
 
 
 def require_tokens(original: Any) -> Any:
-    """Wrap ``<BootstrapServer>._setup_routes``: after the routes exist, every request passes the token check."""
+    """Wrap ``<BootstrapServer>._setup_routes``: after the routes exist, every request passes the token check,
+    for this server's identity (its host and port, the listed authorities)."""
 
     def setup_routes(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        self.app.middlewares.append(_token_middleware())
+        identity = bootstrap_http.server_identity(getattr(self, "host", None), getattr(self, "port", None),
+                                                  frozenset())
+        self.app.middlewares.append(_token_middleware(identity))
         return result
 
     return setup_routes
 
 
-def _token_middleware() -> Any:
+def _token_middleware(identity: bootstrap_auth.ServerIdentity) -> Any:
     from aiohttp import web
 
     @web.middleware
     async def check_control_token(request: Any, handler: Any) -> Any:
         auth = current()
-        if auth is None or request.path in OPEN_PATHS:
+        if auth is None:
             return await handler(request)
-        try:  # bounded in size by the app's client_max_size (larger bodies get 413) and here in time
-            body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
-        except TimeoutError:
-            logger.warning("sglang-harden: %s %s from %s: body not received within %.0f s; refused",
-                           request.method, request.path, request.remote, BODY_READ_TIMEOUT_S)
-            return await answer_and_hang_up(request, web.Response(status=408, text="sglang-harden: request body "
-                                                                   "too slow\n"))
-        decision = auth.check(request.method, request.raw_path, body, request.headers.get(bootstrap_auth.HEADER))
-        if events.record(decision, RUNTIME.config.bootstrap_auth, method=request.method, path=request.path,
-                         remote=request.remote):
-            return web.Response(status=401, text=f"sglang-harden: {decision.reason}\n")
-        try:
-            return await handler(request)
-        except MALFORMED as exc:  # a handler that trusted the body's shape: the sender's error, not ours
-            logger.warning("sglang-harden: malformed %s %s from %s: %s", request.method, request.path,
-                           request.remote, type(exc).__name__)
-            return web.Response(status=400, text=f"sglang-harden: malformed request ({type(exc).__name__})\n")
+        named = identity if identity.listed == auth.listed else dataclasses.replace(identity, listed=auth.listed)
+        return await bootstrap_http.checked_request(auth, named, request, handler)
 
     return check_control_token
-
-
-# A control request's body arrives within this time or the request gets 408 (a stalled client must not hold a
-# connection and its buffer open for ever).
-BODY_READ_TIMEOUT_S = 10.0
-
-# What SGLang's bootstrap handlers raise on a body of the wrong shape (missing keys, wrong types, bad JSON, numbers
-# out of range: JSON's Infinity as a port is an OverflowError in int()).
-MALFORMED = (KeyError, ValueError, TypeError, AttributeError, IndexError, ArithmeticError)
 
 
 # ---------------------------------------------------------------- client side (SGLang's bootstrap client)
@@ -224,7 +159,7 @@ def install_signing_client(module: ModuleType) -> None:
 
         raise HookInstallError(f"{module.__name__}.requests: expected the requests module, found {found!r} "
                                "(is this SGLang pin supported? see `sglang-harden doctor`)")
-    module.requests = SigningRequests(requests, outgoing_headers)  # type: ignore[attr-defined]
+    module.requests = SigningRequests(requests, signing.SIGNER)  # type: ignore[attr-defined]
 
 
 def signing_client_in_place(module: ModuleType | None) -> bool:

@@ -19,6 +19,7 @@ CONN = f"{PD}.common.conn"
 MOONCAKE = f"{PD}.mooncake.conn"
 NIXL = f"{PD}.nixl.conn"
 MORI = f"{PD}.mori.conn"
+STAGING_HANDLER = f"{PD}.common.staging_handler"  # the staging buffer's prefetch (0.5.19+)
 SCHEDULER = f"{SRT}.managers.scheduler"
 SCHEDULE_BATCH = f"{SRT}.managers.schedule_batch"
 TOKENIZER = f"{SRT}.managers.tokenizer_manager"
@@ -60,6 +61,9 @@ SETUP_ROUTES = (CONN, "CommonKVBootstrapServer._setup_routes")
 # the bootstrap server class (module, name): the common one, or on 0.4.x (no common/conn.py) Mooncake's own
 BOOTSTRAP_SERVERS = ((CONN, "CommonKVBootstrapServer"), (MOONCAKE, "MooncakeKVBootstrapServer"))
 NOTE_ABORT_ACK = (CONN, "CommonKVManager.note_abort_ack")
+SEND_ABORT_NOTICE = (CONN, "CommonKVReceiver._send_abort_notification")  # decode's abort notice to prefill
+MANAGER_INIT = (CONN, "CommonKVManager.__init__")  # binds the rank port (the ZMQ side channels)
+RECEIVER_CONNECT = (CONN, "CommonKVReceiver._connect")  # decode's socket to a prefill rank port
 SET_FINISH_WITH_ABORT = (SCHEDULE_BATCH, "Req.set_finish_with_abort")
 # where SGLang polls every KV receiver before the polls are all-reduced across decode's TP ranks (0.5.19+)
 POLL_RECEIVERS = (UTILS, "_poll_with_failure_injection")

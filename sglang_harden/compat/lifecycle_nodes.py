@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 
 from sglang_harden import events
-from sglang_harden.compat.drain_ack import send_abort_notice
+from sglang_harden.compat.drain_ack import expected_ack_ranks, notice_generation, notice_sent, send_abort_notice
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import lifecycle
 from sglang_harden.guards.base import Decision, Verdict, allow
+from sglang_harden.guards.drain_acks import AckBook
 from sglang_harden.guards.lifecycle import LedgerError, PageLedger, PageState
 from sglang_harden.kernels.device import HostCopy, LandingQueue, on_accelerator
 
@@ -64,7 +65,8 @@ class HeldFree:
 
 @dataclass
 class Transfer:
-    """One request's transfer into this node: whose pages, which reservation, which writers must ack."""
+    """One request's transfer into this node: whose pages, which reservation, how many writers were notified
+    (``required_acks``; which ranks those are and their acks: the node's :class:`AckBook`)."""
 
     owner: str
     room: int
@@ -86,7 +88,8 @@ class DecodeNode:
     ledger: PageLedger
     transfers: dict[str, Transfer] = field(default_factory=dict)
     by_room: dict[int, Transfer] = field(default_factory=dict)  # the same transfers, by room (the commit's key)
-    _acks: dict[int, set[int]] = field(default_factory=dict)
+    acks: AckBook = field(default_factory=AckBook)  # the drain acks of the live transfers
+    ignored_acks: int = 0  # written by the receiver thread only
     _gone: set[str] = field(default_factory=set)
     _never_started: dict[tuple[int, str], None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,6 +129,10 @@ class DecodeNode:
                             {"room": room})
         self.transfers[owner] = self.by_room[room] = Transfer(owner, room, addr, required_acks, generation, pages,
                                                               receiver)
+        opened = self.acks.open(room, expected_ack_ranks(receiver), notice_sent(receiver),
+                                lambda: notice_generation(receiver))
+        if not opened.allows:
+            events.record(opened, RUNTIME.config.lifecycle)
         return PUBLISHED  # the caller's log line names the room
 
     def _reserve(self, owner: str, pages: np.ndarray) -> int:
@@ -155,9 +162,24 @@ class DecodeNode:
         return any(not transfer.written for transfer in self.transfers.values())
 
     # ---- drain evidence (any thread)
-    def note_ack(self, room: int, rank: int) -> None:
-        with self._lock:
-            self._acks.setdefault(int(room), set()).add(int(rank))
+    def note_ack(self, room: int, rank: int, generation: int | None = None) -> Decision:
+        """Prefill's drain ack (receiver thread): counted only as :mod:`~sglang_harden.guards.drain_acks` says;
+        every ack that is not is recorded and ignored."""
+        decision = self.acks.note(room, rank, generation)
+        if decision.verdict is not Verdict.ALLOW:  # a duplicate too (skipped)
+            events.record(decision, RUNTIME.config.lifecycle, quiet=True)
+            self.ignored_acks += 1
+            if self.ignored_acks & (self.ignored_acks - 1) == 0:  # logged the 1st, 2nd, 4th, 8th ... time
+                logger.warning("sglang-harden lifecycle: drain ack #%d ignored (room %s, rank %s): %s",
+                               self.ignored_acks, room, rank, decision.reason)
+        return decision
+
+    def arm(self, receiver: Any) -> None:
+        """``receiver`` is about to send its abort notice: acks of its transfer may come from now on."""
+        room = getattr(receiver, "bootstrap_room", None)
+        transfer = self.by_room.get(int(room)) if room is not None else None
+        if transfer is not None and transfer.receiver is receiver:
+            self.acks.arm(transfer.room)
 
     def note_gone(self, addr: str) -> None:
         with self._lock:
@@ -174,9 +196,10 @@ class DecodeNode:
         transfer = self.transfers.get(owner)
         if transfer is None:
             return False
-        with self._lock:
+        acked = self.acks.count(transfer.room)
+        with self._lock:  # a transfer whose targets are unknown (required 0) waits for its sender to be gone
             evidence = lifecycle.DrainEvidence(
-                transfer.required_acks, len(self._acks.get(transfer.room, ())), transfer.addr in self._gone,
+                max(transfer.required_acks, acked.required), acked.acked, transfer.addr in self._gone,
                 (transfer.room, transfer.addr) in self._never_started)
         return lifecycle.writer_drained(evidence)
 
@@ -258,6 +281,7 @@ class DecodeNode:
         transfer = self.transfers.get(owner)
         if transfer is None:
             return
+        self.acks.arm(transfer.room)  # before the notice: its ack may come back at once
         try:
             send_abort_notice(transfer.receiver)
         except Exception as exc:  # noqa: BLE001 - best effort: without an ack the pages stay quarantined
@@ -267,8 +291,8 @@ class DecodeNode:
         transfer = self.transfers.pop(owner, None)
         if transfer is not None:
             self.by_room.pop(transfer.room, None)
+            self.acks.close(transfer.room)
             with self._lock:
-                self._acks.pop(transfer.room, None)
                 self._never_started.pop((transfer.room, transfer.addr), None)
 
     # ---- frees decided without reading the index (scheduler thread)
@@ -361,6 +385,7 @@ class DecodeNode:
             "quarantine_cap_pages": cap,
             "admission_open": self.ledger.quarantined_count() < cap,
             "tracked_transfers": len(self.transfers),
+            "drain_ack_rooms": len(self.acks),
             "pages_not_free_in_ledger": int(np.count_nonzero(self.states != FREE)),
             "frees_kept_back": sum(len(frees) for frees in self.held.values()),
             "frees_not_yet_learned": len(self.learning),

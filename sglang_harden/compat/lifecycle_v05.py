@@ -11,9 +11,10 @@ decode
   * the allocator's free (``TokenToKVPoolAllocator.free``, ``PagedTokenToKVPoolAllocator._release_page_ids``):
     every page SGLang frees passes the ledger; a page a writer may still write is kept back (quarantine)
     unless the writer confirmed it drained;
-  * ``CommonKVManager.note_abort_ack`` (prefill's drain acknowledgement) and ``_handle_node_failure``
-    (the sender is gone): the only ways out of quarantine, applied on the scheduler thread at the next
-    ``pop_transferred``;
+  * ``CommonKVManager.note_abort_ack`` (prefill's drain acknowledgement, counted only as
+    ``guards.drain_acks`` allows: live transfer, the notice's generation, a targeted rank, once; armed by
+    ``CommonKVReceiver._send_abort_notification``) and ``_handle_node_failure`` (the sender is gone): the only
+    ways out of quarantine, applied on the scheduler thread at the next ``pop_transferred``;
   * ``DecodePreallocQueue.add``: at the quarantine cap new PD requests get HTTP 503.
 
 prefill
@@ -60,6 +61,7 @@ from sglang_harden.compat.internals import (
     POP_TRANSFERRED,
     PREFILL,
     SCHEDULER,
+    SEND_ABORT_NOTICE,
 )
 from sglang_harden.compat.lifecycle_nodes import (
     PUBLISHED,
@@ -190,13 +192,34 @@ def _confirmations_first(original: Func) -> Func:
 
 
 def _note_ack(original: Func) -> Func:
+    """Prefill's drain ack, before SGLang's own accounting (which it still gets unchanged): the node counts it
+    only for a live transfer of the room whose notice carried the ack's generation (0.5.22+), from a rank the
+    transfer targets, once (``guards.drain_acks``). SGLang's tracker is not the reference: its release timeout
+    clears the room while the node may still hold the pages."""
+    numbered = "generation" in inspect.signature(original).parameters  # 0.5.22+
+
     def note_abort_ack(self: Any, bootstrap_room: int, prefill_rank: int, *args: Any, **kwargs: Any) -> Any:
         node = NODE
         if isinstance(node, DecodeNode):
-            node.note_ack(bootstrap_room, prefill_rank)
+            generation = (args[0] if args else kwargs.get("generation")) if numbered else None
+            node.note_ack(bootstrap_room, prefill_rank, generation)
         return original(self, bootstrap_room, prefill_rank, *args, **kwargs)
 
     return note_abort_ack
+
+
+def _arm_drain_acks(original: Func) -> Func:
+    """Decode's abort notice is about to go out (whoever sends it: SGLang's abort or timeout, or the guard asking
+    for its ack): from now on the transfer's acks may count. Marked before the send, as an ack can come back
+    before SGLang sets ``abort_notified``."""
+
+    def send_abort_notification(self: Any, *args: Any, **kwargs: Any) -> Any:
+        node = NODE
+        if isinstance(node, DecodeNode):
+            node.arm(self)
+        return original(self, *args, **kwargs)
+
+    return send_abort_notification
 
 
 def _note_gone(original: Func) -> Func:
@@ -407,6 +430,7 @@ HOOKS: list[Hook] = [
     Hook("lifecycle", *DECODE_DOOR, ("self", "req", "is_retracted"), _quarantine_door),
     Hook("lifecycle", *NOTE_ABORT_ACK, ("self", "bootstrap_room", "prefill_rank"),
          _note_ack),
+    Hook("lifecycle", *SEND_ABORT_NOTICE, ("self",), _arm_drain_acks),
     Hook("lifecycle", CONN, "CommonKVManager._handle_node_failure", ("self", "failed_bootstrap_addr"),
          _note_gone),
     Hook("lifecycle", PREFILL, "SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",

@@ -4,10 +4,10 @@ acks to decode's. Every KV manager binds one such port (a PULL socket, one liste
 address, and every frame that reaches it was trusted until now.
 
 - ``zmq_auth`` (armed with the control-plane secret): every socket SGLang connects to a peer's rank port signs
-  what it sends (the manager's, the receivers' and MORI's); every rank port verifies and strips the auth frame
-  (``guards/zmq_auth.py``). Modes: ``enforce`` drops what is not signed by a holder; ``log`` counts and serves
-  it; with ``--harden-zmq-sign 0`` nothing is signed (the first step of a rollout, when peers may not understand
-  the frame yet).
+  what it sends (the manager's, the receivers', MORI's and staging's prefetch sockets); every rank port verifies
+  and strips the auth frame (``guards/zmq_auth.py``). Modes: ``enforce`` drops what is not signed by a holder;
+  ``log`` counts and serves it; with ``--harden-zmq-sign 0`` nothing is signed (the first step of a rollout,
+  when peers may not understand the frame yet).
 - ``side_channels`` (on by default, secret or not): the rank port admits only what its backend's listener can
   read and what the sender may say (``backends/wire_rules.py``); a listener thread that raises anyway is started
   again; the manager's sockets to peers are capped (least recently connected closed first).
@@ -22,7 +22,7 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat.hooks import Hook
-from sglang_harden.compat.internals import CONN, MORI
+from sglang_harden.compat.internals import CONN, MORI, STAGING_HANDLER
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.compat.zmq_listeners import cap_peer_sockets
 from sglang_harden.compat.zmq_listeners import listeners_restart as install_restarts
@@ -147,6 +147,34 @@ def sign_thread_socket(original: Func) -> Func:
     return connect
 
 
+class _SigningSockets(dict):
+    """Staging's prefetch sockets for one call: a socket signs from the moment SGLang files it under its
+    endpoint, before its first send."""
+
+    def __setitem__(self, endpoint: str, sock: Any) -> None:
+        from sglang_harden.compat.zmq_sockets import make_signing
+
+        make_signing(sock, endpoint)
+        super().__setitem__(endpoint, sock)
+
+
+def sign_staging_sockets(original: Func) -> Func:
+    """Wrap the staging handler's ``prefetch_staging_reqs`` (prefill's STAGING_REQ to decode's rank port, sent on
+    sockets it opens itself): the sockets it opens sign."""
+
+    def prefetch(room: Any, transfer_infos: Any, kv_buffer_tensors: Any, chunked_prefill_size: Any,
+                 staging_requested: Any, prefetch_sockets: dict, *args: Any, **kwargs: Any) -> Any:
+        signing = _SigningSockets(prefetch_sockets)
+        try:
+            return original(room, transfer_infos, kv_buffer_tensors, chunked_prefill_size, staging_requested,
+                            signing, *args, **kwargs)
+        finally:
+            for endpoint, sock in signing.items():
+                prefetch_sockets.setdefault(endpoint, sock)
+
+    return prefetch
+
+
 def _restarted(name: str, exc: BaseException) -> None:
     events.record(Decision(SIDE, Verdict.SKIP, f"listener {name} raised {type(exc).__name__}; started again"),
                   Mode.ENFORCE, quiet=True)
@@ -162,6 +190,8 @@ def listeners_restart(module: ModuleType) -> None:
 
 MANAGER_INIT = (CONN, "CommonKVManager.__init__")
 INIT_PARAMS = ("self", "args", "disaggregation_mode", "server_args")
+STAGING_PARAMS = ("room", "transfer_infos", "kv_buffer_tensors", "chunked_prefill_size", "staging_requested",
+                  "prefetch_sockets")
 HOOKS: list[Hook] = [
     Hook(SIDE, *MANAGER_INIT, INIT_PARAMS, guard_rank_port),
     Hook(AUTH, *MANAGER_INIT, INIT_PARAMS, guard_rank_port),
@@ -173,4 +203,5 @@ HOOKS: list[Hook] = [
     Hook(AUTH, CONN, "CommonKVManager._connect", ("self", "endpoint"), sign_manager_socket),
     Hook(AUTH, CONN, "CommonKVReceiver._connect", ("cls", "endpoint"), sign_receiver_socket),
     Hook(AUTH, MORI, "MoriKVManager._connect_threadsafe", ("self", "endpoint"), sign_thread_socket),
+    Hook(AUTH, STAGING_HANDLER, "prefetch_staging_reqs", STAGING_PARAMS, sign_staging_sockets, optional=True),
 ]

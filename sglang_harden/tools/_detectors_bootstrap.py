@@ -1,16 +1,18 @@
-"""Detectors of what runs through the bootstrap server and the KV sender's abort: decode told of prefill
-aborts (natively or by the backport's rejection channel) and ``/route`` authentication."""
+"""Detectors of what runs through the bootstrap server, the KV sender's abort and the KV managers' ZMQ side
+channels: decode told of prefill aborts (natively or by the backport's rejection channel), ``/route``
+authentication and the rank ports' message authentication."""
 
 from __future__ import annotations
 
 import ast
 import re
 
-from sglang_harden.compat.internals import BOOTSTRAP_SERVERS
+from sglang_harden.compat.internals import BOOTSTRAP_SERVERS, MANAGER_INIT, RECEIVER_CONNECT
 from sglang_harden.tools._detect_base import (
     CONN,
     NO,
     OPT_IN,
+    PARTIAL,
     UNKNOWN,
     YES,
     Native,
@@ -115,3 +117,37 @@ def _rejection_channel(tree: SourceTree) -> list[str] | None:
         if routes is not None and watcher is not None:
             return [f"{setup.where}: {routes}", f"{manager.where}: {watcher}(...)"]
     return None
+
+
+_SIDE_RE = re.compile(r"side_channel|zmq_auth", re.I)
+BACKPORT_ZMQ_SWITCH = "SGLANG_HARDEN_ZMQ_AUTH"  # on with the control-plane secret file unless this (or its auth) is off
+
+
+def _module_call(ref: FuncRef, module_name: re.Pattern[str]) -> str | None:
+    """``<module>.<fn>(...)`` in ``ref`` where the module's name matches (the backport's ``pd_side_channels``)."""
+    for call in calls(ref.node):
+        func = call.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and module_name.search(func.value.id):
+            return f"{func.value.id}.{func.attr}(...)"
+    return None
+
+
+def detect_zmq_auth(tree: SourceTree) -> Native:
+    """The KV manager's rank port admits only authenticated messages and decode's sockets to it sign: the
+    backport's ``pd_side_channels`` calls in ``CommonKVManager.__init__`` (after the bind) and
+    ``CommonKVReceiver._connect``. No SGLang release authenticates these messages."""
+    init = tree.function(*MANAGER_INIT)
+    if init is None:
+        return Native(UNKNOWN, f"{MANAGER_INIT[1]} not found")
+    receiver = tree.function(*RECEIVER_CONNECT)
+    guard = _module_call(init, _SIDE_RE)
+    sign = _module_call(receiver, _SIDE_RE) if receiver is not None else None
+    if guard is not None and sign is not None:
+        return Native(OPT_IN, f"rank ports verify and peers sign every ZMQ message once {BACKPORT_SECRET_ENV} names "
+                      "a secret file (sglang-harden backport)", [f"{init.where}: {guard}", f"{receiver.where}: {sign}"],
+                      switch=BACKPORT_ZMQ_SWITCH)
+    if guard is not None or sign is not None:
+        return Native(PARTIAL, "only one side of the ZMQ side-channel authentication is patched in",
+                      [f"{ref.where}: {found}" for ref, found in ((init, guard), (receiver, sign)) if found])
+    return Native(NO, "the rank port trusts every ZMQ frame (registrations, transfer infos, statuses, aborts)",
+                  [init.where])

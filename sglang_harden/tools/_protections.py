@@ -39,10 +39,15 @@ a PR's wording, so a backported or locally patched tree is recognised. What each
   (``compare_digest``, names with auth/token/secret/signature), or the aiohttp app has middlewares; opt-in
   (switch ``SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE``) when ``_setup_routes`` hands the app to a module named for
   authentication (the backport series' ``pd_auth.protect(self.app)``).
+- ``zmq_auth``: the KV manager's rank port verifies ZMQ messages and decode's sockets to it sign: calls into a
+  module named for side channels / ZMQ auth in ``CommonKVManager.__init__`` and ``CommonKVReceiver._connect`` (the
+  backport series' ``pd_side_channels``), opt-in with the secret file (switch ``SGLANG_HARDEN_ZMQ_AUTH``: off turns
+  it off); partial when only one side is there. No SGLang release has it.
 
 This module lists the protections and runs the detectors; they live in ``_detectors_request`` (door, retirement,
 coverage, checksum), ``_detectors_transfer`` (deferred release, canary, abort ack, transfer batch) and
-``_detectors_bootstrap`` (decode abort notify, bootstrap auth), on the verdict and helpers of ``_detect_base``.
+``_detectors_bootstrap`` (decode abort notify, bootstrap auth, ZMQ auth), on the verdict and helpers of
+``_detect_base``.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ from sglang_harden.tools._detect_base import (  # noqa: F401
 )
 from sglang_harden.tools._detectors_bootstrap import (  # noqa: F401
     BACKPORT_SECRET_ENV,
+    BACKPORT_ZMQ_SWITCH,
     detect_bootstrap_auth,
     detect_decode_abort_notify,
+    detect_zmq_auth,
 )
 from sglang_harden.tools._detectors_request import (
     detect_abort_retirement,
@@ -102,6 +109,7 @@ PROTECTIONS: tuple[Protection, ...] = (
     Protection("transfer_batch_bound", "bounded Mooncake transfer batch", "lifecycle"),
     Protection("decode_abort_notify", "decode told of prefill aborts", "abort_notify"),
     Protection("bootstrap_auth", "bootstrap /route authentication", "bootstrap_auth"),
+    Protection("zmq_auth", "ZMQ side-channel message authentication", "zmq_auth"),
 )
 
 
@@ -118,6 +126,7 @@ DETECTORS: dict[str, Callable[[SourceTree], Native]] = {
     "transfer_batch_bound": detect_transfer_batch_bound,
     "decode_abort_notify": detect_decode_abort_notify,
     "bootstrap_auth": detect_bootstrap_auth,
+    "zmq_auth": detect_zmq_auth,
 }
 
 

@@ -10,7 +10,10 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
 - ``guards_missing``: neither an sglang-harden report in server info (``internal_states[i].sglang_harden``:
   armed guards and decision counts) nor guard decisions on ``/metrics``;
 - ``control_plane_unauthenticated``: a hardened PD node reports that its control plane (the bootstrap routes)
-  is not authenticated (no ``--harden-bootstrap-secret-file``), or only logs failed tokens.
+  is not authenticated (no ``--harden-bootstrap-secret-file``), or only logs failed tokens;
+- ``side_channels_unauthenticated``: a hardened PD node reports that its ZMQ side channels (the KV managers' rank
+  ports: registrations, transfer infos, statuses, aborts, drain acks) are not authenticated (no secret file, or
+  ``zmq_auth`` off or log).
 
 Exit codes (a deploy gate): 0 every node audited, no findings (except those named with ``--ignore``);
 1 findings; 2 at least one node could not be audited (unreachable, timed out, malformed answer) -- this wins
@@ -32,7 +35,7 @@ from sglang_harden.tools._render import dump_json, table
 EXIT_OK, EXIT_FINDINGS, EXIT_UNAUDITED = 0, 1, 2
 SAMPLE_RE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 FINDING_CODES = ("pool_below_context", "prefill_limit_below_decode", "guards_missing",
-                 "control_plane_unauthenticated")
+                 "control_plane_unauthenticated", "side_channels_unauthenticated")
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -69,6 +72,7 @@ class Node:
     guards: dict[str, dict[str, float]] = field(default_factory=dict)
     armed_guards: list[str] = field(default_factory=list)  # from /server_info internal_states[].sglang_harden
     control_plane_auth: str | None = None  # enforce | log | unauthenticated (None: not reported)
+    side_channel_auth: str | None = None  # enforce | log | off | unauthenticated [(not signing)] (None: not reported)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -156,6 +160,9 @@ def _fill_harden_report(node: Node, info: dict) -> None:
         auth = report.get("control_plane_auth")
         if isinstance(auth, str):
             node.control_plane_auth = auth
+        side = report.get("side_channel_auth")
+        if isinstance(side, str):
+            node.side_channel_auth = side
         guards = report.get("guards")
         if isinstance(guards, list):
             node.armed_guards = sorted({*node.armed_guards, *(str(g) for g in guards)})
@@ -259,6 +266,12 @@ def findings(nodes: list[Node]) -> list[Finding]:
                                f"control plane {node.control_plane_auth}: anyone who reaches the bootstrap port can "
                                "register KV routes and post abort notices (set --harden-bootstrap-secret-file; "
                                "README 'Security')"))
+        side = (node.side_channel_auth or "").split(" ")[0]
+        if node.role in ("prefill", "decode") and side in ("unauthenticated", "log", "off"):
+            out.append(Finding("side_channels_unauthenticated", node.url,
+                               f"ZMQ side channels {node.side_channel_auth}: anyone who reaches a KV manager's rank "
+                               "port can register destinations, redirect or copy KV transfers and stop the listener "
+                               "threads (set --harden-bootstrap-secret-file, zmq_auth enforce; README 'Security')"))
         if node.armed_guards or node.guards:
             continue
         if node.metrics != "ok":
@@ -320,11 +333,13 @@ def render_text(nodes: list[Node], found: list[Finding], code: int, ignored: tup
             n.max_req_input_len,
             n.transfer_backend,
             n.control_plane_auth or "-",
+            n.side_channel_auth or "-",
             "ERROR" if n.error else _guards_cell(n),
         ]
         for n in nodes
     ]
-    headers = ["node", "role", "context", "pool tokens", "max_req_input_len", "backend", "control plane", "guards"]
+    headers = ["node", "role", "context", "pool tokens", "max_req_input_len", "backend", "control plane",
+               "side channels", "guards"]
     lines = [table(headers, rows, 90)]
     errors = [n for n in nodes if n.error]
     if errors:

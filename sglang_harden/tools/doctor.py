@@ -172,6 +172,10 @@ def switch_value(switch: str | None, launch_args: list[str], environ: dict[str, 
         if environ.get("SGLANG_HARDEN_BOOTSTRAP_AUTH", "").strip().lower() == "off":
             return "off"
         return "on" if environ.get(switch, "").strip() else None
+    if switch == P.BACKPORT_ZMQ_SWITCH:  # the backport's side channels: with the control plane's secret, unless off
+        if "off" in (environ.get(switch, "").strip().lower(), switch_value(P.BACKPORT_SECRET_ENV, [], environ)):
+            return "off"
+        return switch_value(P.BACKPORT_SECRET_ENV, [], environ)
     return environ.get(switch)
 
 
@@ -235,7 +239,7 @@ def build_rows(
     if environ.get("SGLANG_HARDEN_ACTIVATE", "").strip() == "0":  # installed but switched off
         modes = dict.fromkeys(modes, "off")
     if control_plane_auth(launch_args, environ, modes) == "unauthenticated":
-        modes = {**modes, "bootstrap_auth": "off"}  # nothing to check tokens against: not armed
+        modes = {**modes, "bootstrap_auth": "off", "zmq_auth": "off"}  # nothing to check tokens against: not armed
     rows = []
     for prot in P.PROTECTIONS:
         native = natives[prot.key]
@@ -291,11 +295,30 @@ def control_plane_auth(launch_args: list[str], environ: dict[str, str], modes: d
     return mode
 
 
+def side_channel_auth(launch_args: list[str], environ: dict[str, str], modes: dict[str, str]) -> str:
+    """What the zmq_auth guard will do on the ZMQ rank ports of a server started with these settings (the words of
+    ``side_channel_auth`` in ``/server_info``): it needs the control plane's secret file."""
+    if control_plane_auth(launch_args, environ, {**modes, "bootstrap_auth": "enforce"}) == "unauthenticated":
+        return "unauthenticated"
+    mode = _flag_value("--harden-zmq-auth", launch_args) or modes.get("zmq_auth", "off")
+    if mode == "off":
+        return "unauthenticated"
+    sign = _flag_value("--harden-zmq-sign", launch_args) or environ.get("SGLANG_HARDEN_ZMQ_SIGN", "1")
+    return mode if sign.strip().lower() in ("1", "true", "yes", "on", "set") else f"{mode} (not signing)"
+
+
 def _control_plane_state(rows: list[Row], launch_args: list[str], environ: dict[str, str]) -> str:
     """The settings' answer (enforce/log/unauthenticated), but "unauthenticated" whenever nothing in this install
     would check a token (the plugin switched off on a tree without the backport, say)."""
     auth = control_plane_auth(launch_args, environ, guard_modes(environ)[0])
     row = next((r for r in rows if r.key == "bootstrap_auth"), None)
+    return "unauthenticated" if row is None or row.missing else auth
+
+
+def _side_channel_state(rows: list[Row], launch_args: list[str], environ: dict[str, str]) -> str:
+    """The settings' answer, but "unauthenticated" where nothing in this install verifies the rank ports."""
+    auth = side_channel_auth(launch_args, environ, guard_modes(environ)[0])
+    row = next((r for r in rows if r.key == "zmq_auth"), None)
     return "unauthenticated" if row is None or row.missing else auth
 
 
@@ -314,7 +337,8 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
         },
         "harden": {**asdict(harden), "config_error": config_error, "digest_kernel": digest_kernel(),
                    "ledger_kernel": ledger_kernel(),
-                   "control_plane_auth": _control_plane_state(rows, launch_args, environ)},
+                   "control_plane_auth": _control_plane_state(rows, launch_args, environ),
+                   "side_channel_auth": _side_channel_state(rows, launch_args, environ)},
         "protections": [_row_json(r) for r in rows],
         "missing": [r.key for r in rows if r.missing],
         "ok": not any(r.missing for r in rows),
@@ -371,6 +395,12 @@ def render_text(data: dict, verbose: bool) -> str:
         lines.append("PD control plane: UNAUTHENTICATED (no --harden-bootstrap-secret-file; README 'Security')")
     elif auth:
         lines.append(f"PD control plane: authenticated ({auth})")
+    side = hd.get("side_channel_auth")
+    if side == "unauthenticated":
+        lines.append("PD ZMQ side channels: UNAUTHENTICATED (anyone reaching a rank port can register where KV goes;"
+                     " README 'Security')")
+    elif side:
+        lines.append(f"PD ZMQ side channels: authenticated ({side})")
     kernel = hd.get("digest_kernel")
     if kernel:
         lines.append(f"checksum digest on CPU tensors: {kernel['cpu_path']} ({kernel['detail']})")

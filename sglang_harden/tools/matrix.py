@@ -25,7 +25,8 @@ from sglang_harden.tools._wheels import release_key
 
 PATHS = ("plugin", "patch")
 COLUMNS = (*GUARDS, "capacity")
-PATCH_GUARDS = {  # a backport patch's name (after its number) -> the guard it gives
+# a backport patch's name (after its number) -> the guard(s) it gives
+PATCH_GUARDS: dict[str, str | tuple[str, ...]] = {
     "admission-at-both-doors": "admission",
     "retire-before-final-send": "retire",
     "coverage-publish-and-check": "coverage",
@@ -36,6 +37,7 @@ PATCH_GUARDS = {  # a backport patch's name (after its number) -> the guard it g
     "kv-canary": "canary",
     "page-lifecycle": "lifecycle",
     "kv-digest": "checksum",
+    "authenticate-side-channels": ("zmq_auth", "side_channels"),
 }
 # Guards upstream SGLang has itself (on by default) from a release on: (doctor's protection key, first release).
 # tests/integration/test_doctor_wheels.py checks each supported pin's code agrees.
@@ -98,7 +100,8 @@ def patch_guards(pin: str, patches_dir: Path) -> set[str]:
     except PatchError:
         return set()
     names = [patch.name.split("-", 1)[1].removesuffix(".patch") for patch in series]
-    return {PATCH_GUARDS[name] for name in names if name in PATCH_GUARDS}
+    given = [PATCH_GUARDS[name] for name in names if name in PATCH_GUARDS]
+    return {guard for guards in given for guard in ((guards,) if isinstance(guards, str) else guards)}
 
 
 def render(cells: dict[Key, str], patches_dir: Path) -> str:

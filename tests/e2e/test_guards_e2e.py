@@ -524,7 +524,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
 
     secret = parse_secrets(pair.prefill.secret_file.read_text())
     target = f"/pd_rejections?rooms={room}"
-    signed = {HEADER: sign(secret, "GET", target, b"")}
+    signed = {HEADER: sign(secret, "GET", f"127.0.0.1:{port}", target, b"")}
     assert _bootstrap_call(port, "GET", target, b"", signed) == 200, "a holder of the secret is served"
     assert _bootstrap_call(port, "GET", target, b"", signed) == 401, "the same token replayed"
     refusals = pair.prefill.log_text().count('"guard": "bootstrap_auth"') - refusals_before

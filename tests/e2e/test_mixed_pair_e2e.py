@@ -57,7 +57,7 @@ SEEDS = (100, 1)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_S = 5.0
 STARTUP_TIMEOUT_S = 1800.0  # server starts take many minutes on a shared 2-core machine
-PLUGIN_ON = {ACTIVATE_ENV: "1"}
+PLUGIN_ON = {ACTIVATE_ENV: "1"}  # ZMQ side channels in enforce on both worlds: one auth frame (sghz1)
 TABLE_ROOM = 993_000_001
 # the plugin decode beside a patched prefill: lifecycle off, page tags on, and the page-table fault for one room; the
 # KV digest off too, so that page tags alone judge that room (the patched prefill publishes digests since the

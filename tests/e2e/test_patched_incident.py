@@ -265,6 +265,21 @@ def test_patched_control_plane_refuses_an_attacker(incident: Any, pin: str) -> N
 
 
 @pytest.mark.parametrize("pin", PINS)
+def test_patched_side_channels_sign_what_the_pair_sends(incident: Any, pin: str) -> None:
+    """With the secret, the patched pair's rank ports verify every ZMQ message and its peer sockets sign them: the
+    rounds pass (the tests above) and no message of the pair itself was dropped or ended a listener. The attacker's
+    side: tests/unit/test_patched_side_channels.py (SGLang's listener), the side-channel e2e tests."""
+    if not any("authenticate-side-channels" in p.name for p in load_series(pin, default_patches_dir())):
+        pytest.skip(f"the {pin} series has no side-channel patch")
+    logs = incident(pin, "patched")["logs"]
+    for role in ("prefill", "decode"):
+        assert f"pd_side_channels: {role} mooncake rank port" in logs[role], role
+        assert "ZMQ auth enforce, wire rules enforce" in logs[role], role
+        assert "side-channel message(s) on" not in logs[role], role
+        assert "side-channel listener" not in logs[role], role
+
+
+@pytest.mark.parametrize("pin", PINS)
 def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
     """A, the normal tenant, reads only its own KV on the patched pair (the tracer) and gets vanilla's greedy
     answer (up to a near-tie, GREEDY_TIE)."""

@@ -4,6 +4,7 @@ bodies of any shape, queries, and tokens that look almost right."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,6 +25,12 @@ QUERIES = st.one_of(st.just(""), st.text(alphabet="abcdefghijklmnopqrstuvwxyz012
 TOKENS = st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=300),
                    st.builds(lambda ts, n, m: f"sgh1.{ts}.{n}.{m}", st.integers(-5, 2**40),
                              st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),
+                             st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)),
+                   st.builds(lambda ts, n, d, m: f"sgh2.{ts}.{n}.{d}.{m}",
+                             st.one_of(st.integers(-5, 2**40).map(str), st.just(str(int(time.time()))),
+                                       st.text(alphabet="0123456789²³¹¼", min_size=1, max_size=12)),
+                             st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),
+                             st.text(alphabet="0123456789abcdef", min_size=64, max_size=64),
                              st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)))
 
 

@@ -4,8 +4,10 @@ SGLang's ``CommonKVBootstrapServer`` (its aiohttp app, its own routes, and the r
 on a loopback port with the compat hooks installed and a secret file configured. Asserted:
 
 - an unsigned, forged, stale or replayed request to any control route gets 401 and changes nothing in the
-  server's state; ``/health`` stays open;
-- SGLang's own bootstrap client (the ``requests`` name in ``common/conn.py``) signs, and is served;
+  server's state; ``/health`` stays open; a request without a valid token is refused before its body arrives;
+- a signed request replayed to another bootstrap server is refused there (issue 39);
+- SGLang's own bootstrap client (the ``requests`` name in ``common/conn.py``) signs, and is served; it and our own
+  clients take no answer the server did not sign for their request;
 - rotation: a server holding (new, old) accepts both; log mode serves and counts;
 - fuzzing (hypothesis; ``SGLANG_HARDEN_FUZZ_EXAMPLES`` per route, 1000 by default): bodies, queries and headers
   of any shape get a 4xx, never a 5xx, unsigned ones never change state, and the server stays healthy;
@@ -31,10 +33,10 @@ requests = pytest.importorskip("requests")
 from fuzz_strategies import bodies, fuzz_signed, fuzz_unsigned  # noqa: E402
 
 from sglang_harden import compat, events  # noqa: E402
-from sglang_harden.compat import control_auth  # noqa: E402
+from sglang_harden.compat import bootstrap_http, control_auth  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import Mode  # noqa: E402
-from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
+from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, NonceCache, parse_secrets, sign  # noqa: E402
 from sglang_harden.testbed.patched_bootstrap import registration, wait_healthy  # noqa: E402
 from sglang_harden.testbed.procs import free_port  # noqa: E402
 from sglang_harden.testbed.soak_requests import ROUTE_TABLE_QUERY  # noqa: E402
@@ -66,7 +68,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     instance = conn.CommonKVBootstrapServer("127.0.0.1", port)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, timeout_s=20)
-    yield {"base": base, "conn": conn, "server": instance, "file": secret_file}
+    AUTHORITY["addr"] = base.removeprefix("http://")
+    yield {"base": base, "addr": base.removeprefix("http://"), "port": port, "conn": conn, "server": instance,
+           "file": secret_file}
     os.environ.pop("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", None)
 
 
@@ -76,8 +80,11 @@ def _state(instance: Any) -> str:
     return repr(sorted((k, repr(copy.copy(v))) for k, v in kept.items()))
 
 
-def _signed_headers(method: str, target: str, body: bytes, secret: str = SECRET) -> dict[str, str]:
-    return {HEADER: sign(parse_secrets(secret), method, target, body)}
+AUTHORITY: dict[str, str] = {}  # the module's server, once the fixture started it
+
+
+def _signed_headers(method: str, target: str, body: bytes, secret: str = SECRET, **kwargs: Any) -> dict[str, str]:
+    return {HEADER: sign(parse_secrets(secret), method, AUTHORITY["addr"], target, body, **kwargs)}
 
 
 CLIENT = requests.Session()  # keep-alive: the fuzz cases reuse one connection
@@ -94,7 +101,7 @@ def test_unsigned_requests_are_refused_and_change_nothing(server: dict[str, Any]
     counts = events.snapshot()
     answer = _send(server["base"], method, path, body)
     assert answer.status_code == 401, answer.text
-    assert "sgh1" not in answer.text
+    assert "sgh" not in answer.text
     assert _state(server["server"]) == before
     assert events.snapshot().get("bootstrap_auth:reject", 0) == counts.get("bootstrap_auth:reject", 0) + 1
 
@@ -116,7 +123,7 @@ def test_sglang_bootstrap_client_signs_and_is_served(server: dict[str, Any]) -> 
 def test_forged_stale_and_replayed_tokens_are_refused(server: dict[str, Any]) -> None:
     base, target = server["base"], "/pd_rejections?rooms=1,2"
     assert _send(base, "GET", target, headers=_signed_headers("GET", target, b"", secret=NEXT)).status_code == 401
-    stale = {HEADER: sign(parse_secrets(SECRET), "GET", target, b"", now=time.time() - 3600)}
+    stale = _signed_headers("GET", target, b"", now=time.time() - 3600)
     assert _send(base, "GET", target, headers=stale).status_code == 401
     wrong_path = _signed_headers("GET", "/pd_rejections?rooms=3", b"")
     assert _send(base, "GET", target, headers=wrong_path).status_code == 401
@@ -178,12 +185,15 @@ def test_a_client_that_never_finishes_does_not_stall_others(server: dict[str, An
 
 def test_a_body_that_never_arrives_gets_408_and_the_connection_closes(server: dict[str, Any],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(control_auth, "BODY_READ_TIMEOUT_S", 1.0)
-    port = int(server["base"].rsplit(":", 1)[1])
+    """A valid token (made for a body the client then never finishes sending)."""
+    monkeypatch.setattr(bootstrap_http, "BODY_READ_TIMEOUT_S", 1.0)
+    port = server["port"]
     before = _state(server["server"])
+    token = _signed_headers("PUT", "/route", b"{" + b" " * 99_999)[HEADER].encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
         started = time.monotonic()
-        slow.sendall(b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        slow.sendall(b"PUT /route HTTP/1.1\r\nHost: %s\r\n%s: %s\r\nContent-Length: 100000\r\n\r\n{"
+                     % (server["addr"].encode(), HEADER.encode(), token))
         answer = slow.recv(4096)
         waited = time.monotonic() - started
         slow.settimeout(5)
@@ -230,7 +240,7 @@ def test_our_clients_sign_and_are_served(server: dict[str, Any]) -> None:
     room = 987_654_321
     body = json.dumps({"room": room, "status_code": 400, "message": "too long", "sent_kv": False}).encode()
     answer = _send(server["base"], "PUT", notify.ROUTE, body, control_auth.outgoing_headers(
-        "PUT", notify.ROUTE, body))
+        "PUT", server["addr"], notify.ROUTE, body))
     assert answer.status_code == 200, answer.text
     found = notify.fetch_aborts(addr, [room])
     assert [a.room for a in found] == [room] and found[0].message == "too long"
@@ -239,3 +249,129 @@ def test_our_clients_sign_and_are_served(server: dict[str, Any]) -> None:
     assert status == 200, reply
     status, reply = digest_channel.CONNECTIONS.request("GET", addr, f"{digest_channel.DIGESTS_PATH}?room={room}", 5.0)
     assert status == 200 and json.loads(reply)["shards"] == {"0": [1, 2, 3, 4]}, reply
+
+
+
+@pytest.mark.parametrize("token", [None, "sgh1.x.y.z", "forged"])
+def test_a_request_without_a_valid_token_is_refused_before_its_body_arrives(server: dict[str, Any],
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           token: str | None) -> None:
+    """Issue 39: the server read the body (up to 1 MiB, for up to 10 s) before it looked at the token."""
+    monkeypatch.setattr(bootstrap_http, "BODY_READ_TIMEOUT_S", 5.0)
+    port = server["port"]
+    if token == "forged":
+        token = _signed_headers("PUT", "/route", b"{", secret=NEXT)[HEADER]
+    header = b"" if token is None else f"{HEADER}: {token}\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+        started = time.monotonic()
+        slow.sendall(b"PUT /route HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%sContent-Length: 1000000\r\n\r\n{"
+                     % (port, header))
+        answer = slow.recv(4096)
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert waited < 2, waited
+
+
+def test_a_signed_registration_replayed_to_another_bootstrap_server_is_refused(server: dict[str, Any],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39: the MAC bound neither the Host nor the server. Another prefill's bootstrap server is another
+    process, with a replay cache of its own: here each replay meets a fresh cache. The other server listens on
+    another port, then on another address with the same port."""
+    conn = server["conn"]
+    other_port = free_port()
+    other = conn.CommonKVBootstrapServer("127.0.0.1", other_port)
+    other_base = f"http://127.0.0.1:{other_port}"
+    wait_healthy(other_base, timeout_s=20)
+    before = _state(other)
+    for addressed in (None, server["base"].removeprefix("http://")):
+        sent = conn.requests.put(server["base"] + "/route", json=registration(17003), timeout=10)
+        assert sent.status_code == 200
+        headers = {HEADER: sent.request.headers[HEADER], "Content-Type": "application/json"}
+        if addressed:
+            headers["Host"] = addressed
+        monkeypatch.setattr(control_auth.current(), "nonces", NonceCache(60))
+        replayed = _send(other_base, "PUT", "/route", sent.request.body, headers)
+        assert replayed.status_code == 401, (addressed, replayed.status_code, replayed.text)
+    assert _state(other) == before
+    same_port = conn.CommonKVBootstrapServer("127.0.0.2", server["port"])
+    wait_healthy(f"http://127.0.0.2:{server['port']}", timeout_s=20)
+    before = _state(same_port)
+    sent = conn.requests.put(server["base"] + "/route", json=registration(17004), timeout=10)
+    assert sent.status_code == 200
+    monkeypatch.setattr(control_auth.current(), "nonces", NonceCache(60))
+    replayed = _send(f"http://127.0.0.2:{server['port']}", "PUT", "/route", sent.request.body,
+                     {HEADER: sent.request.headers[HEADER], "Content-Type": "application/json",
+                      "Host": server["addr"]})
+    assert replayed.status_code == 401 and "does not name this bootstrap server" in replayed.text, replayed.text
+    assert _state(same_port) == before
+
+
+class _Forger:
+    """A server that answers every request 200 with a forged body (a man in the middle, or a spoofed address)."""
+
+    def __init__(self, body: bytes) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_PUT = do_POST = _answer  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_forged_route_answer_is_not_trusted(server: dict[str, Any]) -> None:
+    """Issue 39: decode used whatever answered at the bootstrap address (the ranks it then connects to)."""
+    forged = json.dumps({"rank_ip": "6.6.6.6", "rank_port": 6666}).encode()
+    fake = _Forger(forged)
+    try:
+        url = f"http://{fake.addr}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+        for answer in (server["conn"].requests.get(url, timeout=5),
+                       server["conn"].requests.Session().get(url, timeout=5),
+                       server["conn"].requests.post(f"http://{fake.addr}/query_dp_ranks", json={}, timeout=5)):
+            assert answer.status_code == 502 and "not signed" in answer.text, (answer.status_code, answer.text)
+        api = server["conn"].requests.Session().post(f"http://{fake.addr}/generate", json={}, timeout=5)
+        assert api.status_code == 200, "prefill's HTTP API (0.5.23's retraction /generate) is no bootstrap route"
+        assert HEADER not in api.request.headers
+    finally:
+        fake.close()
+
+
+def test_a_forged_abort_answer_is_not_trusted(server: dict[str, Any]) -> None:
+    """Issue 39: the same for our own clients (a forged rejection aborts a request)."""
+    from sglang_harden.compat import notify
+
+    room = 5_550_001
+    fake = _Forger(json.dumps({"rooms": {str(room): {"status_code": 400, "message": "forged",
+                                                     "sent_kv": False}}}).encode())
+    try:
+        assert notify.fetch_aborts(fake.addr, [room]) == []
+    finally:
+        fake.close()
+
+
+def test_a_token_with_a_unicode_digit_gets_401_not_500(server: dict[str, Any]) -> None:
+    """Issue 39: ``"²".isdigit()`` passed and ``int("²")`` raised: a 500."""
+    port = server["port"]
+    token = ("sgh1.\u00b2." + "a" * 32 + "." + "b" * 64).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as raw:
+        raw.sendall(b"GET /pd_rejections?rooms=1 HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%s: %s\r\nConnection: close\r\n\r\n"
+                    % (port, HEADER.encode(), token))
+        answer = raw.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]

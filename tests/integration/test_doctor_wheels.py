@@ -32,6 +32,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "transfer_batch_bound": P.NO,
         "decode_abort_notify": P.NO,
         "bootstrap_auth": P.NO,
+        "zmq_auth": P.NO,
     },
     "0.5.20": {
         "door_rejection": P.NO,
@@ -46,6 +47,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "transfer_batch_bound": P.OPT_IN,
         "decode_abort_notify": P.NO,
         "bootstrap_auth": P.NO,
+        "zmq_auth": P.NO,
     },
     "0.5.21": {
         "door_rejection": P.YES,
@@ -60,6 +62,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "transfer_batch_bound": P.OPT_IN,
         "decode_abort_notify": P.NO,
         "bootstrap_auth": P.NO,
+        "zmq_auth": P.NO,
     },
     "0.5.23": {
         "door_rejection": P.YES,
@@ -74,6 +77,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "transfer_batch_bound": P.OPT_IN,
         "decode_abort_notify": P.NO,
         "bootstrap_auth": P.NO,
+        "zmq_auth": P.NO,
     },
 }
 DETAILS = {

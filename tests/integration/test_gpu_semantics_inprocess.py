@@ -145,7 +145,8 @@ def test_an_aborted_room_s_free_waits_for_its_transfer_to_settle(sim: Any) -> No
 def _published(node: DecodeNode, room: int, slots: Any) -> None:
     receiver = SimpleNamespace(bootstrap_room=room, bootstrap_addr="127.0.0.1:8998", bootstrap_infos=[{}],
                                kv_mgr=SimpleNamespace(record_failure=lambda *a: None), abort=lambda: None,
-                               _send_abort_notification=lambda: None)
+                               _send_abort_notification=lambda: None, target_tp_ranks=[0], target_pp_ranks=[0],
+                               target_cp_ranks=[0], prefill_info=SimpleNamespace(pp_size=1, attn_cp_size=1))
     lifecycle_v05._send_metadata(lambda self, kv_indices, *a, **k: None)(receiver, _host(slots))
 
 

@@ -66,19 +66,32 @@ def allocator(sglang_modules: dict[str, Any]) -> Any:
     lifecycle_v05.NODE = None
 
 
+GENERATION = 1  # the generation a stand-in receiver's abort notice carries (releases that number them, 0.5.22+)
+
+
+def _numbered(conn: Any) -> bool:
+    return "generation" in inspect.signature(conn.CommonKVManager.note_abort_ack).parameters
+
+
 class Receiver:
-    """Stands in for MooncakeKVReceiver where the wrappers read it."""
+    """Stands in for MooncakeKVReceiver where the wrappers read it: one prefill rank (TP rank 0) targeted."""
 
     def __init__(self, room: int) -> None:
         self.bootstrap_room = room
         self.bootstrap_addr = "127.0.0.1:8998"
         self.bootstrap_infos = [{"rank_ip": "127.0.0.1", "rank_port": 1}]
+        self.target_tp_ranks, self.target_pp_ranks, self.target_cp_ranks = [0], [0], [0]
+        self.prefill_info = SimpleNamespace(pp_size=1, attn_cp_size=1)
         self.abort_notified = False
         self.aborts_sent = 0
         self.kv_mgr = SimpleNamespace(record_failure=lambda *a: None)
 
     def _send_abort_notification(self) -> None:
+        from sglang.srt.disaggregation.common import conn
+
         self.aborts_sent += 1
+        if _numbered(conn):
+            self._abort_generation = GENERATION
 
     def abort(self) -> None:
         self.abort_notified = True
@@ -92,7 +105,7 @@ def _publish(receiver: Receiver, indices: Any) -> None:
 def _ack(conn: Any, room: int) -> None:
     mgr = SimpleNamespace(_deferred_abort_ack_tracker={})
     params = inspect.signature(conn.CommonKVManager.note_abort_ack).parameters
-    extra = {"generation": 1} if "generation" in params else {}
+    extra = {"generation": GENERATION} if "generation" in params else {}
     conn.CommonKVManager.note_abort_ack(mgr, room, 0, **extra)
 
 
@@ -515,6 +528,8 @@ def test_optional_hooks_follow_the_release(sglang_modules: dict[str, Any]) -> No
         "RadixCache.checkpoint", "UnifiedRadixCache.cache_unfinished_req", "UnifiedRadixCache.checkpoint"}
     for hook in sglang_v05.OPTIONAL_HOOKS:
         if hook.owner == PAGE_LEDGER_OWNER:  # the page-tag guard's copies, armed only with the lifecycle guard off
+            continue
+        if hook.owner == "zmq_auth":  # armed only with a control-plane secret (test_zmq_channels_inprocess.py)
             continue
         module = importlib.import_module(hook.module)
         owner, name = hook.qualname.split(".")

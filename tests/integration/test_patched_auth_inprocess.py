@@ -5,9 +5,11 @@ A subprocess (``sglang_harden.testbed.patched_bootstrap``, plugin off) runs the 
 with a secret file and, once serving, registers a prefill rank through SGLang's own bootstrap client and posts a
 rejection notice through ``pd_rejections``: both are served, so the patched clients sign. Asserted from outside:
 
-- every route but ``/health`` answers 401 to an unsigned, forged, stale or replayed request, and a refused
-  request changes nothing (the route table and the rejection board, read back with a valid token);
-- a token signed by the plugin's code (same secret) is served: plugin and patched nodes interoperate;
+- every route but ``/health`` answers 401 to an unsigned, forged, stale or replayed request, or one signed for
+  another bootstrap server, before its body arrives where the token decides; and a refused request changes nothing
+  (the route table and the rejection board, read back with a valid token);
+- a token signed by the plugin's code (same secret) is served, and the answer carries a signature the plugin's
+  code accepts: plugin and patched nodes interoperate;
 - fuzzing (hypothesis): unsigned bodies, queries and tokens of any shape get 401 (``FUZZ_EXAMPLES`` per route:
   a fifth of ``SGLANG_HARDEN_FUZZ_EXAMPLES``, 200 by default; the token check runs before any route's handler
   and is the plugin's, fuzzed with 1000 per route in ``test_control_auth_inprocess.py``); signed malformed
@@ -33,7 +35,14 @@ requests = pytest.importorskip("requests")
 
 from fuzz_strategies import bodies, fuzz_signed, fuzz_unsigned  # noqa: E402
 
-from sglang_harden.guards.bootstrap_auth import HEADER, MIN_SECRET_CHARS, parse_secrets, sign  # noqa: E402
+from sglang_harden.guards.bootstrap_auth import (  # noqa: E402
+    ANSWER_HEADER,
+    HEADER,
+    MIN_SECRET_CHARS,
+    check_answer,
+    parse_secrets,
+    sign,
+)
 from sglang_harden.testbed.envs import REPO_ROOT  # noqa: E402
 from sglang_harden.testbed.patched import copy_series_files  # noqa: E402
 from sglang_harden.testbed.patched_bootstrap import REJECTED_ROOM, registration  # noqa: E402
@@ -82,7 +91,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             proc.wait(10)
             pytest.fail(f"the patched bootstrap server exited ({proc.returncode}): "
                         f"{(root / 'server.log').read_text()[-2000:]}")
-        yield {"base": f"http://127.0.0.1:{port}", "report": json.loads(line), "tree": tree, "log": root / "server.log"}
+        AUTHORITY["addr"] = f"127.0.0.1:{port}"
+        yield {"base": f"http://127.0.0.1:{port}", "port": port, "report": json.loads(line), "tree": tree,
+               "log": root / "server.log"}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -100,8 +111,12 @@ def _send(base: str, method: str, target: str, body: bytes = b"", headers: dict[
     return CLIENT.request(method, base + target, data=body, headers=headers or {}, timeout=10)
 
 
-def _signed(method: str, target: str, body: bytes = b"", secret: str = SECRET) -> dict[str, str]:
-    return {HEADER: sign(parse_secrets(secret), method, target, body)}
+AUTHORITY: dict[str, str] = {}  # the patched server's host:port, once the fixture started it
+
+
+def _signed(method: str, target: str, body: bytes = b"", secret: str = SECRET, authority: str | None = None,
+            **kwargs: Any) -> dict[str, str]:
+    return {HEADER: sign(parse_secrets(secret), method, authority or AUTHORITY["addr"], target, body, **kwargs)}
 
 
 RANK_QUERY = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
@@ -151,15 +166,21 @@ def test_health_stays_open(server: dict[str, Any]) -> None:
 def test_forged_stale_and_replayed_tokens_are_refused(server: dict[str, Any]) -> None:
     base, target = server["base"], f"/pd_rejections?rooms={REJECTED_ROOM}"
     assert _send(base, "GET", target, headers=_signed("GET", target, secret=OTHER)).status_code == 401
-    stale = {HEADER: sign(parse_secrets(SECRET), "GET", target, b"", now=time.time() - 3600)}
+    stale = _signed("GET", target, now=time.time() - 3600)
     assert _send(base, "GET", target, headers=stale).status_code == 401
     assert _send(base, "GET", target, headers=_signed("GET", "/pd_rejections?rooms=1")).status_code == 401
+    elsewhere = _signed("GET", target, authority="10.9.9.9:8998")
+    assert _send(base, "GET", target, headers=elsewhere).status_code == 401, "signed for another server"
+    assert _send(base, "GET", target, headers={**elsewhere, "Host": "10.9.9.9:8998"}).status_code == 401
     once = _signed("GET", target)
-    assert _send(base, "GET", target, headers=once).status_code == 200, "the plugin's token is served"
+    answer = _send(base, "GET", target, headers=once)
+    assert answer.status_code == 200, "the plugin's token is served"
+    assert check_answer(parse_secrets(SECRET), once[HEADER], 200, answer.headers.get(ANSWER_HEADER),
+                        answer.content).allows, "and its answer is signed for it"
     assert _send(base, "GET", target, headers=once).status_code == 401, "the same token again is a replay"
     log = server["log"].read_text()
-    assert "pd_auth: refused GET /pd_rejections" in log and "replayed" in log
-    assert "sgh1." not in log, "a refusal's log line quoted a token"
+    assert "pd_auth: refused GET /pd_rejections" in log and "replayed" in log and "does not name" in log
+    assert "sgh1." not in log and "sgh2." not in log, "a refusal's log line quoted a token"
 
 
 def test_ten_megabyte_body_is_refused(server: dict[str, Any]) -> None:
@@ -183,3 +204,37 @@ def test_fuzz_signed_malformed_bodies_get_4xx(server: dict[str, Any], method: st
     fuzz_signed(lambda verb, target, body, headers: _send(server["base"], verb, target, body, headers),
                 _signed, method, path, BODIES, max(50, FUZZ_EXAMPLES // 2))
     assert _send(server["base"], "GET", "/health").status_code == 200
+
+
+
+@pytest.mark.parametrize("token", [None, "sgh1.x.y.z", "forged"])
+def test_a_request_without_a_valid_token_is_refused_before_its_body_arrives(server: dict[str, Any],
+                                                                           token: str | None) -> None:
+    import socket
+
+    """Issue 39: the server read the body (up to 1 MiB, for up to 10 s) before it looked at the token."""
+    port = server["port"]
+    if token == "forged":
+        token = _signed("PUT", "/route", b"{", secret=OTHER)[HEADER]
+    header = b"" if token is None else f"{HEADER}: {token}\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as slow:
+        started = time.monotonic()
+        slow.sendall(b"PUT /route HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%sContent-Length: 1000000\r\n\r\n{"
+                     % (port, header))
+        answer = slow.recv(4096)
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert waited < 2, waited
+
+
+def test_a_token_with_a_unicode_digit_gets_401_not_500(server: dict[str, Any]) -> None:
+    """Issue 39: ``"²".isdigit()`` passed and ``int("²")`` raised: a 500."""
+    import socket
+
+    port = server["port"]
+    token = ("sgh1.\u00b2." + "a" * 32 + "." + "b" * 64).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as raw:
+        raw.sendall(b"GET /pd_rejections?rooms=1 HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%s: %s\r\nConnection: close\r\n\r\n"
+                    % (port, HEADER.encode(), token))
+        answer = raw.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]

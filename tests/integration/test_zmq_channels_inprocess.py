@@ -233,3 +233,28 @@ def test_status_says_what_runs(configured: None) -> None:
     assert zmq_settings.status() == "log (not signing)"
     _mode(zmq_auth=Mode.OFF)
     assert zmq_settings.status() == "unauthenticated" and not zmq_settings.auth_configured()
+
+
+def test_staging_prefetch_sockets_sign(configured: None, pair: Any) -> None:
+    """Prefill's STAGING_REQ goes out on sockets SGLang's staging handler opens itself (0.5.19+). Unhooked (the
+    pin's own function), decode's rank port in enforce drops it: staging would stall. Through the hook, the socket
+    signs before its first send and the request arrives as SGLang wrote it."""
+    staging = pytest.importorskip("sglang.srt.disaggregation.common.staging_handler")
+    pull, _, endpoint = pair
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    infos = {7: {"session-a": type("Info", (), {"is_dummy": False, "dst_kv_indices": [0, 1], "endpoint": host,
+                                                 "dst_port": int(port)})()}}
+    hooked = zmq_channels.sign_staging_sockets(staging.prefetch_staging_reqs)
+    for prefetch, expected in ((staging.prefetch_staging_reqs, None), (hooked, b"STAGING_REQ")):
+        sockets: dict = {}
+        try:
+            prefetch(7, infos, {"page_size": 1}, 64, set(), sockets)
+            got = _recv(pull, 1500)
+            assert (got[0] if got else None) == expected, (prefetch, got)
+            if expected is not None:
+                assert got[1:4] == [b"7", b"0", b"2"] and got[4] == b"session-a", got
+                assert list(sockets) == [endpoint] and type(sockets[endpoint]).__name__ == "SigningSocket"
+        finally:
+            for sock in sockets.values():
+                sock.close(linger=0)
+    assert events.snapshot().get("zmq_auth:reject", 0) == 1

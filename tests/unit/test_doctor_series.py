@@ -16,7 +16,7 @@ import pytest
 from test_patch import PINS, make_tree
 
 from sglang_harden.tools import patch as P
-from sglang_harden.tools._detectors_bootstrap import detect_bootstrap_auth
+from sglang_harden.tools._detectors_bootstrap import detect_bootstrap_auth, detect_zmq_auth
 from sglang_harden.tools._detectors_request import detect_kv_checksum, detect_page_ownership
 from sglang_harden.tools._detectors_transfer import detect_kv_canary, detect_page_quarantine
 from sglang_harden.tools._source import SourceTree
@@ -53,6 +53,22 @@ def test_doctor_recognises_the_series_control_plane_authentication(pin: str, tmp
     found = detect_bootstrap_auth(SourceTree(patched))
     assert found.status == "opt-in" and "backport" in found.detail, (pin, found)
     assert detect_bootstrap_auth(SourceTree(make_tree(pin, tmp_path / "pristine"))).status == "no", pin
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_doctor_recognises_the_series_side_channel_authentication(pin: str, tmp_path: Path) -> None:
+    """A series with the side-channel patch authenticates the rank ports once a secret file is named (opt-in); one
+    without it (0.4.x, 0.5.10.post1), and every pristine tree, does not."""
+    patched = make_tree(pin, tmp_path / "patched")
+    P.apply_series(patched, pin)
+    found = detect_zmq_auth(SourceTree(patched))
+    if any("authenticate-side-channels" in p.name for p in P.load_series(pin, P.default_patches_dir())):
+        assert found.status == "opt-in" and "backport" in found.detail, (pin, found)
+        assert [e.split(": ")[-1] for e in found.evidence] == ["pd_side_channels.guard_rank_port(...)",
+                                                               "pd_side_channels.sign_socket(...)"], (pin, found)
+    else:
+        assert found.status in ("no", "unknown"), (pin, found)
+    assert detect_zmq_auth(SourceTree(make_tree(pin, tmp_path / "pristine"))).status in ("no", "unknown"), pin
 
 
 def test_every_series_carries_the_three_modules() -> None:

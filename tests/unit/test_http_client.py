@@ -1,6 +1,6 @@
 """The side channels' HTTP client against a real loopback HTTP server: kept-alive connections (one TCP connection
-for many requests from one thread), the signer's headers on every request, a capped answer, bounded retries with
-their pauses, and a server gone between requests."""
+for many requests from one thread), the signer's headers on every request and its check of every answer, a capped
+answer, bounded retries with their pauses, and a server gone between requests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from loopback_http import serving
 
-from sglang_harden.channels.http_client import SideChannelClient
+from sglang_harden.channels.http_client import SideChannelClient, UntrustedAnswer
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -27,6 +27,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         status = _Handler.statuses.pop(0) if _Handler.statuses else 200
         body = b"x" * 5000 if self.path == "/big" else b'{"ok": true}'
         self.send_response(status)
+        self.send_header("X-Answer", f"for {self.headers.get('X-Token')}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -44,17 +45,41 @@ def server() -> Iterator[str]:
         yield addr
 
 
-def _sign(method: str, path: str, body: bytes | None) -> dict[str, str]:
-    return {"X-Token": f"{method} {path} {len(body or b'')}"}
+class _Signer:
+    """Signs with the method, authority, path and body length; trusts an answer that names the request's token."""
+
+    def __init__(self, trust: bool = True) -> None:
+        self.trust = trust
+        self.checked: list[tuple[str, int, str]] = []
+
+    def headers(self, method: str, authority: str, target: str, body: bytes | str | None) -> dict[str, str]:
+        return {"X-Token": f"{method} {authority} {target} {len(body or b'')}"}
+
+    def answer_refusal(self, sent: Any, status: int, answer: Any, body: bytes, **about: object) -> str | None:
+        self.checked.append((sent["X-Token"], status, str(about["url"])))
+        return None if self.trust and answer.get("X-Answer") == f"for {sent['X-Token']}" else "not signed"
 
 
 def test_one_connection_carries_many_requests_each_signed(server: str) -> None:
-    client = SideChannelClient(_sign)
+    signer = _Signer()
+    client = SideChannelClient(signer)
     for n in range(5):
         assert client.request("PUT", server, f"/p{n}", 2.0, b"abc") == (200, b'{"ok": true}')
     ports = {port for *_, port in _Handler.seen}
     assert len(ports) == 1, "kept alive: one client port for all five"
-    assert [token for _, _, token, _ in _Handler.seen] == [f"PUT /p{n} 3" for n in range(5)]
+    assert [token for _, _, token, _ in _Handler.seen] == [f"PUT {server} /p{n} 3" for n in range(5)]
+    assert [status for _, status, _ in signer.checked] == [200] * 5
+
+
+def test_an_answer_the_signer_refuses_is_no_answer_and_not_retried(server: str) -> None:
+    signer = _Signer()
+    client = SideChannelClient(signer)
+    assert client.request("GET", server, "/first", 2.0)[0] == 200  # a kept connection it could retry on
+    signer.trust = False
+    _Handler.seen.clear()
+    with pytest.raises(UntrustedAnswer, match="not signed"):
+        client.request("GET", server, "/route", 2.0)
+    assert [path for _, path, _, _ in _Handler.seen] == ["/route"], "sent once"
 
 
 def test_an_answer_over_the_cap_is_refused(server: str) -> None:

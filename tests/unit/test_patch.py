@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -400,6 +401,22 @@ def _load_pd_auth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -
 
 
 SECRET_A, SECRET_B = "a" * 16 + "0123456789abcdef", "b" * 16 + "fedcba9876543210"
+AUTHORITY = "127.0.0.1:8998"
+
+
+def _token(secret: str, method: str, target: str, body: bytes = b"", **kwargs: Any) -> str:
+    from sglang_harden.guards import bootstrap_auth
+
+    return bootstrap_auth.sign(bootstrap_auth.parse_secrets(secret), method, AUTHORITY, target, body, **kwargs)
+
+
+def test_patched_auth_is_the_plugins_code() -> None:
+    """The series' pd_auth bundles the plugin's token rules, secret file, server check and signing client (the
+    logic exists once): no copy of them in patches/_source."""
+    source = (PATCHES / "_source" / "pd_auth.py").read_text()
+    for name in ("def parse_secrets", "def _mac", "class NonceCache", "def verify", "hmac.new", "class _Nonces"):
+        assert name not in source, name
+    assert "# <bundle sglang_harden/guards/base.py sglang_harden/guards/bootstrap_auth.py" in source
 
 
 def test_patched_auth_speaks_the_plugins_wire_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -411,12 +428,15 @@ def test_patched_auth_speaks_the_plugins_wire_format(tmp_path: Path, monkeypatch
     pd_auth = _load_pd_auth(tmp_path, monkeypatch, secret_file=str(_secret_file(tmp_path / "s", SECRET_A)))
     keyring = bootstrap_auth.parse_secrets(SECRET_A)
     body = b'{"room": 7, "status_code": 400, "message": "m"}'
-    ours = pd_auth.headers("PUT", "/pd_rejections", body)[bootstrap_auth.HEADER]
-    verdict = bootstrap_auth.verify(keyring, "PUT", "/pd_rejections", body, ours, bootstrap_auth.NonceCache(60))
+    ours = pd_auth.headers("PUT", AUTHORITY, "/pd_rejections", body)[bootstrap_auth.HEADER]
+    assert ours.startswith("sgh2.")
+    identity = bootstrap_auth.ServerIdentity(8998, frozenset({"127.0.0.1"}))
+    verdict = bootstrap_auth.verify(keyring, bootstrap_auth.RequestHead("PUT", AUTHORITY, "/pd_rejections"), body,
+                                    ours, bootstrap_auth.NonceCache(60), identity=identity)
     assert verdict.verdict.value == "allow", verdict.reason
-    theirs = bootstrap_auth.sign(keyring, "GET", "/pd_rejections?rooms=7", b"")
-    assert pd_auth.AUTH.refusal("GET", "/pd_rejections?rooms=7", b"", theirs) is None
-    assert pd_auth.HEADER == bootstrap_auth.HEADER
+    theirs = _token(SECRET_A, "GET", "/pd_rejections?rooms=7")
+    assert pd_auth.AUTH.refusal("GET", AUTHORITY, "/pd_rejections?rooms=7", b"", theirs) is None
+    assert pd_auth.HEADER == bootstrap_auth.HEADER and pd_auth.ANSWER_HEADER == bootstrap_auth.ANSWER_HEADER
 
 
 def test_patched_auth_refuses_what_it_must(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
@@ -424,55 +444,84 @@ def test_patched_auth_refuses_what_it_must(tmp_path: Path, monkeypatch: pytest.M
                             auth_max_age_s="30")
     auth = pd_auth.AUTH
     body = b'{"room": 1}'
-    token = pd_auth.headers("PUT", "/route", body)[pd_auth.HEADER]
-    assert "missing" in auth.refusal("PUT", "/route", body, None)
-    assert "malformed" in auth.refusal("PUT", "/route", body, "sgh1.x.y.z")
-    assert "does not match" in auth.refusal("PUT", "/route", b'{"room": 2}', token)  # body changed
-    assert "does not match" in auth.refusal("GET", "/route", body, token)  # method changed
-    assert "does not match" in auth.refusal("PUT", "/route?x=1", body, token)  # target changed
-    assert auth.refusal("PUT", "/route", body, token) is None
-    assert "replayed" in auth.refusal("PUT", "/route", body, token)
-    from sglang_harden.guards import bootstrap_auth
+    token = pd_auth.headers("PUT", AUTHORITY, "/route", body)[pd_auth.HEADER]
+    assert "missing" in auth.refusal("PUT", AUTHORITY, "/route", body, None)
+    assert "malformed" in auth.refusal("PUT", AUTHORITY, "/route", body, "sgh2.x.y.z.w")
+    assert "does not match" in auth.refusal("GET", AUTHORITY, "/route", body, token)  # method changed
+    assert "does not match" in auth.refusal("PUT", AUTHORITY, "/route?x=1", body, token)  # target changed
+    assert "does not match" in auth.refusal("PUT", "127.0.0.2:8998", "/route", body, token)  # Host changed
+    assert auth.refusal("PUT", AUTHORITY, "/route", body, token) is None
+    assert "replayed" in auth.refusal("PUT", AUTHORITY, "/route", body, token)
+    other_body = pd_auth.headers("PUT", AUTHORITY, "/route", body)[pd_auth.HEADER]
+    assert "does not match its" in auth.refusal("PUT", AUTHORITY, "/route", b'{"room": 2}', other_body)
+    assert "replayed" in auth.refusal("PUT", AUTHORITY, "/route", body, other_body), "spent before the body"
+    stale = _token(SECRET_A, "PUT", "/route", body, now=time.time() - 31)
+    assert "old" in auth.refusal("PUT", AUTHORITY, "/route", body, stale)
+    wrong = _token(SECRET_B, "PUT", "/route", body)
+    assert "does not match" in auth.refusal("PUT", AUTHORITY, "/route", body, wrong)
+    for stamp in ("²", "1000²", "١٠٠٠"):  # issue 39: int("²") raised (a 500 at the server)
+        assert "malformed" in auth.refusal("GET", AUTHORITY, "/route", b"", f"sgh1.{stamp}.{'a' * 32}.{'b' * 64}")
+        assert "malformed" in auth.refusal("GET", AUTHORITY, "/route", b"",
+                                           f"sgh2.{stamp}.{'a' * 32}.{'b' * 64}.{'c' * 64}")
+    assert "ACCEPT_SGH1" in auth.refusal("GET", AUTHORITY, "/route", b"", f"sgh1.{int(time.time())}.{'a' * 32}."
+                                         f"{'b' * 64}")
 
-    stale = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_A), "PUT", "/route", body, now=time.time() - 31)
-    assert "old" in auth.refusal("PUT", "/route", body, stale)
-    wrong = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_B), "PUT", "/route", body)
-    assert "does not match" in auth.refusal("PUT", "/route", body, wrong)
+
+def test_patched_auth_serves_fresh_tokens_at_the_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     no_secret: None) -> None:
+    """Issue 39: at the replay cache's cap every request was refused until the window passed."""
+    pd_auth = _load_pd_auth(tmp_path, monkeypatch, secret_file=str(_secret_file(tmp_path / "s", SECRET_A)))
+    auth = pd_auth.AUTH
+    auth.nonces = pd_auth.NonceCache(auth.max_age_s, max_entries=3)
+    now = int(time.time())
+    old = [_token(SECRET_A, "GET", "/route", now=now - 2) for _ in range(3)]
+    assert all(auth.refusal("GET", AUTHORITY, "/route", b"", token) is None for token in old)
+    assert auth.refusal("GET", AUTHORITY, "/route", b"", _token(SECRET_A, "GET", "/route", now=now - 1)) is None
+    assert all("older than the replay cache" in auth.refusal("GET", AUTHORITY, "/route", b"", token)
+               for token in old), "forgotten nonces are never replayable"
 
 
 def test_patched_auth_rotates_with_two_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               no_secret: None) -> None:
-    """The file holds (signing, next); a change of the file is picked up without a restart."""
-    from sglang_harden.guards import bootstrap_auth
-
+                                               no_secret: None, caplog: pytest.LogCaptureFixture) -> None:
+    """The file holds (signing, next); a change of the file is picked up without a restart; an edit that breaks it
+    (too short, not UTF-8) keeps the last good secrets."""
     secret = _secret_file(tmp_path / "s", SECRET_A, SECRET_B)
     pd_auth = _load_pd_auth(tmp_path, monkeypatch, secret_file=str(secret))
     for key in (SECRET_A, SECRET_B):
-        token = bootstrap_auth.sign(bootstrap_auth.parse_secrets(key), "GET", "/route", b"")
-        assert pd_auth.AUTH.refusal("GET", "/route", b"", token) is None, key
+        assert pd_auth.AUTH.refusal("GET", AUTHORITY, "/route", b"", _token(key, "GET", "/route")) is None, key
     _secret_file(secret, SECRET_B + "-and-more-characters")
     monkeypatch.setattr(pd_auth, "RELOAD_EVERY_S", 0.0)
-    old = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_A), "GET", "/route", b"")
-    assert "does not match" in pd_auth.AUTH.refusal("GET", "/route", b"", old)
-    _secret_file(secret, "short")  # an unusable file keeps the last good secrets
-    new = bootstrap_auth.sign(bootstrap_auth.parse_secrets(SECRET_B + "-and-more-characters"), "GET", "/route", b"")
-    assert pd_auth.AUTH.refusal("GET", "/route", b"", new) is None
+    assert "does not match" in pd_auth.AUTH.refusal("GET", AUTHORITY, "/route", b"", _token(SECRET_A, "GET", "/route"))
+    for broken in (b"short\n", b"\xff" * 40 + b"\n"):
+        secret.write_bytes(broken)
+        os.utime(secret, ns=(len(broken), len(broken)))
+        with caplog.at_level("ERROR"):
+            new = _token(SECRET_B + "-and-more-characters", "GET", "/route")
+            assert pd_auth.AUTH.refusal("GET", AUTHORITY, "/route", b"", new) is None
+        assert "keeping the last good secrets" in caplog.text
 
 
 def test_patched_auth_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None,
                                caplog: pytest.LogCaptureFixture) -> None:
-    """No secret: nothing signed, a WARNING. enforce without a secret, a short secret, a bad mode: refuse."""
+    """No secret: nothing signed, a WARNING. enforce without a secret, a short or non-UTF-8 secret, a bad mode,
+    bad listed authorities: refuse to start."""
     tree = _patched_tree(tmp_path)
     with caplog.at_level("WARNING"):
         open_module = _load_patched(tree, "pd_auth", monkeypatch)
-    assert open_module.AUTH is None and open_module.headers("GET", "/route", b"") == {}
+    assert open_module.AUTH is None and open_module.headers("GET", AUTHORITY, "/route", b"") == {}
     assert "UNAUTHENTICATED" in caplog.text
     fake_requests = ModuleType("requests")
     assert open_module.signing(fake_requests) is fake_requests
+    not_utf8 = tmp_path / "binary"
+    not_utf8.write_bytes(b"\xff" * 40)
+    ok = str(_secret_file(tmp_path / "ok", SECRET_A))
     for env, expected in ((("AUTH", "enforce"),), "needs a secret"), \
             ((("SECRET_FILE", str(_secret_file(tmp_path / "short", "x" * 31))),), "at least 32"), \
+            ((("SECRET_FILE", str(not_utf8)),), "not UTF-8"), \
             ((("SECRET_FILE", str(tmp_path / "missing")),), "does not exist"), \
-            ((("AUTH", "sometimes"), ("SECRET_FILE", str(_secret_file(tmp_path / "ok", SECRET_A)))), "expected one"):
+            ((("AUTH", "sometimes"), ("SECRET_FILE", ok)), "expected one"), \
+            ((("AUTHORITIES", "prefill.svc"), ("SECRET_FILE", ok)), "host:port"), \
+            ((("AUTH_ACCEPT_SGH1", "maybe"), ("SECRET_FILE", ok)), "expected 1 or 0"):
         with monkeypatch.context() as scoped:
             for name, value in env:
                 scoped.setenv(f"SGLANG_HARDEN_BOOTSTRAP_{name}", value)
@@ -480,20 +529,60 @@ def test_patched_auth_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
                 _load_patched(tree, "pd_auth", scoped)
             assert SECRET_A not in str(info.value)
     monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_AUTH", "off")
-    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", str(tmp_path / "ok"))
+    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", ok)
     assert _load_patched(tree, "pd_auth", monkeypatch).AUTH is None
 
 
+class _Board(BaseHTTPRequestHandler):
+    """A bootstrap server's rejection board as a forger (or a server without the secret) answers: unsigned."""
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b'{"rooms": {"3": {"status_code": 400, "message": "forged", "sent_kv": false}}}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PUT = _answer  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _watcher(mod: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """pd_rejections' decode watcher without its thread (``_query`` imports SGLang's KVPoll: a stand-in)."""
+    import threading
+
+    base_conn = ModuleType("sglang.srt.disaggregation.base.conn")
+    base_conn.KVPoll = type("KVPoll", (), {"Failed": 0})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base", ModuleType("sglang.srt.disaggregation.base"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base.conn", base_conn)
+    watcher = mod.RejectionWatcher.__new__(mod.RejectionWatcher)
+    watcher._verdicts, watcher._lock = mod.OrderedDict(), threading.Lock()
+    watcher._mgr = SimpleNamespace(record_failure=lambda *a: None, update_status=lambda *a: None)
+    return watcher
+
+
 def test_patched_rejection_clients_sign(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_secret: None) -> None:
-    """pd_rejections' PUT and GET carry a token over exactly the target they send."""
+    """pd_rejections' PUT and GET carry a token over exactly the authority and target they send, and use an answer
+    signed for them."""
     from sglang_harden.guards import bootstrap_auth
 
     monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", str(_secret_file(tmp_path / "s", SECRET_A)))
     mod = _load_pd_rejections(tmp_path, monkeypatch)
+    keyring, nonces = bootstrap_auth.parse_secrets(SECRET_A), bootstrap_auth.NonceCache(60)
+    identity = bootstrap_auth.ServerIdentity(1, frozenset({"127.0.0.1"}))
     sent: list[Any] = []
 
     class Answer:
         status = 200
+
+        def __init__(self, request: Any) -> None:
+            token = bootstrap_auth.read_token(request.get_header(bootstrap_auth.HEADER.capitalize()))
+            self.headers = {bootstrap_auth.ANSWER_HEADER: bootstrap_auth.sign_answer(keyring, token, 200, self.body)}
+
+        body = b'{"rooms": {"4": {"status_code": 400, "message": "too long", "sent_kv": false}}}'
 
         def __enter__(self) -> Any:
             return self
@@ -502,22 +591,34 @@ def test_patched_rejection_clients_sign(tmp_path: Path, monkeypatch: pytest.Monk
             return None
 
         def read(self, _limit: int) -> bytes:
-            return b'{"rooms": {}}'
+            return self.body
 
-    monkeypatch.setattr(mod.urllib.request, "urlopen", lambda request, timeout: sent.append(request) or Answer())
-    base_conn = ModuleType("sglang.srt.disaggregation.base.conn")
-    base_conn.KVPoll = type("KVPoll", (), {})  # type: ignore[attr-defined]  # _query imports it (SGLang's enum)
-    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base", ModuleType("sglang.srt.disaggregation.base"))
-    monkeypatch.setitem(sys.modules, "sglang.srt.disaggregation.base.conn", base_conn)
+    monkeypatch.setattr(mod.urllib.request, "urlopen", lambda request, timeout: sent.append(request) or Answer(request))
+    watcher = _watcher(mod, monkeypatch)
     assert mod._put("http://127.0.0.1:1/pd_rejections", b'{"room": 3}')
-    mod.RejectionWatcher.__new__(mod.RejectionWatcher)._query("127.0.0.1:1", [3, 4])
-    keyring, nonces = bootstrap_auth.parse_secrets(SECRET_A), bootstrap_auth.NonceCache(60)
+    watcher._query("127.0.0.1:1", [3, 4])
+    assert watcher.pop(4) == (400, "too long"), "a signed answer is used"
     put, get = sent
     assert get.full_url == "http://127.0.0.1:1/pd_rejections?rooms=3,4"
     for request, target, body in ((put, "/pd_rejections", b'{"room": 3}'), (get, "/pd_rejections?rooms=3,4", b"")):
         token = request.get_header(bootstrap_auth.HEADER.capitalize())
-        decision = bootstrap_auth.verify(keyring, request.get_method(), target, body, token, nonces)
+        head = bootstrap_auth.RequestHead(request.get_method(), "127.0.0.1:1", target)
+        decision = bootstrap_auth.verify(keyring, head, body, token, nonces, identity=identity)
         assert decision.verdict.value == "allow", decision.reason
+
+
+def test_patched_rejection_watcher_refuses_a_forged_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           no_secret: None) -> None:
+    """Issue 39: decode believed any answer from the address it asked (a forged rejection aborts a request)."""
+    from loopback_http import serving
+
+    monkeypatch.setenv("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE", str(_secret_file(tmp_path / "s", SECRET_A)))
+    mod = _load_pd_rejections(tmp_path, monkeypatch)
+    watcher = _watcher(mod, monkeypatch)
+    with serving(_Board) as addr:
+        watcher._query(addr, [3])
+        assert not mod._put(f"http://{addr}/pd_rejections", b'{"room": 3}'), "an unsigned 200 is no success"
+    assert watcher.pop(3) is None, "a forged rejection was believed"
 
 
 def test_doctor_reads_the_patched_authentication(tmp_path: Path) -> None:
@@ -548,12 +649,15 @@ def test_doctor_reads_the_patched_authentication(tmp_path: Path) -> None:
 @pytest.mark.parametrize("pin", PINS)
 def test_doctor_sees_the_patched_notice_channel(pin: str, tmp_path: Path) -> None:
     """doctor on a patched tree reports decode as told of prefill's rejections (the series' ``/pd_rejections``
-    routes and decode's watcher); on the vanilla tree it does not (it said "missing" on patched trees too)."""
+    routes and decode's watcher); on the vanilla tree it does not (it said "missing" on patched trees too). A vanilla
+    tree may tell decode through a backend's own sender (0.5.18's MORI, whose file the side-channel patch touches),
+    never through the series' channel."""
     from sglang_harden.tools import _protections as protections
     from sglang_harden.tools._source import SourceTree
 
     vanilla = protections.detect_decode_abort_notify(SourceTree(make_tree(pin, tmp_path / "vanilla")))
-    assert vanilla.status != protections.YES, vanilla
+    assert not any("pd_rejections" in line for line in vanilla.evidence), vanilla
+    assert vanilla.status != protections.YES or "mori" in vanilla.evidence[0], vanilla
     patched = SourceTree(make_tree(pin, tmp_path / "tree"))
     assert P.apply_series(patched.root, pin).ok
     native = protections.detect_decode_abort_notify(patched)
@@ -641,3 +745,4 @@ def test_committed_series_is_what_the_sources_generate(pin: str, tmp_path: Path,
     assert sorted(generated) == sorted(committed)
     stale = [name for name in generated if generated[name] != committed[name]]
     assert not stale, f"regenerate with: python3 patches/_source/gen.py {pin}  (stale: {stale})"
+

@@ -47,10 +47,20 @@ class Allocator:
         self.freed.extend(index.tolist())
 
 
-def receiver(room: int, ranks: int = 1) -> Any:
+def targets(tp_ranks: list[int], pp_ranks: tuple[int, ...] = (0,), cp_ranks: tuple[int, ...] = (0,),
+            pp_size: int = 1, cp_size: int = 1) -> dict[str, Any]:
+    """The fields of SGLang's common KV receiver (0.5.10+) that say which prefill ranks its transfer targets: the
+    target TP/PP/CP ranks and prefill's PP and CP sizes (``prefill_info``, a ``PrefillServerInfo``)."""
+    return {"target_tp_ranks": list(tp_ranks), "target_pp_ranks": list(pp_ranks), "target_cp_ranks": list(cp_ranks),
+            "prefill_info": SimpleNamespace(pp_size=pp_size, attn_cp_size=cp_size)}
+
+
+def receiver(room: int, ranks: int = 1, **fields: Any) -> Any:
+    """A decode receiver whose transfer targets prefill ranks 0 .. ``ranks``-1 (TP only)."""
     sent: list[int] = []
     rec = SimpleNamespace(bootstrap_room=room, bootstrap_infos=[{"rank": r} for r in range(ranks)],
-                          bootstrap_addr="127.0.0.1:8998", abort_notified=False, sent=sent)
+                          bootstrap_addr="127.0.0.1:8998", abort_notified=False, sent=sent,
+                          **{**targets(list(range(ranks))), **fields})
     rec._send_abort_notification = lambda: sent.append(room)
     return rec
 
@@ -261,4 +271,4 @@ def test_0518_series_counts_chunks_before_the_status_check_and_decode_counts_ran
     count = conn.index("# sglang-harden backport: count the chunk in flight")
     assert count < conn.index("kv_chunk.room not in self.request_status", count)
     assert "pd_lifecycle.ack_when_drained(" in conn and conn.count("pd_lifecycle.ack_if_drained(") == 2
-    assert 'pd_lifecycle.note_ack(ack_aborted_room, int(msg[2].decode("ascii")))' in conn
+    assert "pd_lifecycle.ranked_ack_received(msg)" in conn

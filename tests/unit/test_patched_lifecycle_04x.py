@@ -79,6 +79,16 @@ def decode_socket() -> Any:
     sock.close(linger=0)
 
 
+def two_prefill_ranks(tree: Path) -> dict[str, Any]:
+    """A decode receiver's fields that say its transfer targets prefill ranks 0 and 1: 0.4.x's Mooncake receiver
+    (TP ranks within the prefill DP group ``target_dp_group``) or 0.5.10's common one (TP/PP/CP ranks and
+    ``prefill_info``)."""
+    if tree.name.startswith("0.4."):
+        return {"target_tp_ranks": [0, 1], "target_dp_group": 0, "prefill_tp_size": 2, "prefill_dp_size": 1}
+    return {"target_tp_ranks": [0, 1], "target_pp_ranks": [0], "target_cp_ranks": [0],
+            "prefill_info": SimpleNamespace(pp_size=1, attn_cp_size=1)}
+
+
 def _notice(room: int, port: int) -> list[bytes]:
     return [b"SGH_ABORT", str(room).encode(), b"127.0.0.1", str(port).encode()]
 
@@ -153,7 +163,7 @@ def test_decode_notifies_every_prefill_rank_and_an_ack_per_rank_releases_the_pag
     rec = SimpleNamespace(bootstrap_room=45, bootstrap_addr="127.0.0.1:8998", abort_notified=False,
                           bootstrap_infos=[{"rank_ip": "10.0.0.1"}, {"rank_ip": "10.0.0.2"}],
                           kv_mgr=SimpleNamespace(local_ip="127.0.0.9", rank_port=7000),
-                          _connect_to_bootstrap_server=connect)
+                          _connect_to_bootstrap_server=connect, **two_prefill_ranks(tree))
     rec._send_abort_notification = lambda: lifecycle.send_abort_notice_frames(rec)
     alloc = Allocator()
     lifecycle.note_published(alloc, rec, [5, 6])

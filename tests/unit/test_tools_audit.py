@@ -173,3 +173,21 @@ def test_unauthenticated_control_plane_is_a_finding(capsys: pytest.CaptureFixtur
     codes = [f["code"] for f in data["findings"]]
     assert codes == (["control_plane_unauthenticated"] if flagged else []), data
     assert code == (1 if flagged else 0)
+
+
+@pytest.mark.parametrize("auth,flagged", [("unauthenticated", True), ("log", True), ("off", True),
+                                          ("enforce", False), ("enforce (not signing)", False)])
+def test_unauthenticated_side_channels_are_a_finding(capsys: pytest.CaptureFixture[str], auth: str,
+                                                     flagged: bool) -> None:
+    node = FakeNode(role="prefill", pool_tokens=600, metrics=False)
+    info = node.server_info()
+    info["internal_states"][0]["sglang_harden"] = {"guards": ["admission"], "control_plane_auth": "enforce",
+                                                   "side_channel_auth": auth}
+    routes = node.routes()
+    routes[("GET", "/server_info")] = json_route(info)
+    with serve(routes) as url:
+        code, data = run_audit(capsys, url)
+    assert data["nodes"][0]["side_channel_auth"] == auth
+    codes = [f["code"] for f in data["findings"]]
+    assert codes == (["side_channels_unauthenticated"] if flagged else []), data
+    assert code == (1 if flagged else 0)

@@ -22,7 +22,8 @@ for an unsigned message):
     ``ip:port`` (and keep a socket for each); a signed one for a room with transfer infos comes from one of
     their senders.
 (e) statuses, CHUNK_READY, STAGING_REQ (decode): only for a room decode knows; ABORT_ACK only for a room decode
-    knows or holds for drain acks (the receiver is cleared while its pages wait for the acks).
+    knows or holds for drain acks (the receiver is cleared while its pages wait for the acks; on a release without
+    SGLang's table of held rooms, 0.5.18, the lifecycle's own drain-ack ledger is the only judge).
 
 State is bounded: registrants and rooms are LRU-capped, a room's record ages out and restarts when SGLang no
 longer holds the room. A key SGLang still holds whose record was forgotten keeps its first registration; a signed
@@ -203,7 +204,9 @@ class WireRules:
     def _known_room(self, shape: Shape, frames: Sequence[bytes], sender: bytes | None) -> str | None:
         known = _holds(getattr(self._manager, "request_status", None), shape.room)
         if not known and shape.kind == "abort_ack":  # an aborted receiver is cleared while its pages wait for acks
-            known = _holds(getattr(self._manager, "_deferred_abort_ack_tracker", None), shape.room)
+            held = getattr(self._manager, "_deferred_abort_ack_tracker", None)
+            # 0.5.18 keeps no such table (the backport series' lifecycle counts its ranked acks itself): not refused
+            known = held is None or _holds(held, shape.room)
         if not known:
             return f"{shape.kind}: for a room this decode does not know"
         inline_status = self._release is not None and not self._release.status_parser
