@@ -3,7 +3,8 @@ measured round on a PD pair.
 
 Variants: ``vanilla`` (``sglang.launch_server``, plugin off), ``all`` (``sglang_harden.launch_server``, every
 guard and the capacity gate at their defaults), ``<guard>`` for each name in ``config.GUARDS`` (that guard
-enforced, every other guard and the capacity gate off) and, on request only, ``capacity`` (the capacity gate
+enforced, with the guards it needs (``NEEDS``: ``zmq_auth`` takes its keys from ``bootstrap_auth``); every other
+guard and the capacity gate off) and, on request only, ``capacity`` (the capacity gate
 alone), ``none`` (the launcher with every guard and the gate off: what the plugin costs by being there) and
 ``aa`` (a second vanilla pair: the A/A control, whose ratio shows what two pairs differ by with no guard at all).
 Every variant gets the same server flags; only the launcher and the ``SGLANG_HARDEN_*`` environment differ. The
@@ -35,6 +36,8 @@ OPTIONAL_VARIANTS = ("capacity", "none", CONTROL)
 DEFAULT_VARIANTS: tuple[str, ...] = (BASELINE, EVERY_GUARD, *GUARDS)
 KNOWN_VARIANTS: tuple[str, ...] = (*DEFAULT_VARIANTS, *OPTIONAL_VARIANTS)
 CAPACITY_ENV = ENV_PREFIX + "CAPACITY"
+# a guard measured with the guards it cannot run without: the ZMQ side channels' keys are the control plane's
+NEEDS: dict[str, tuple[str, ...]] = {"zmq_auth": ("bootstrap_auth",)}
 
 
 def guard_env(guard: str) -> str:
@@ -60,9 +63,10 @@ def variant(name: str) -> Variant:
     if name not in KNOWN_VARIANTS:
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(KNOWN_VARIANTS)}")
     env = {ACTIVATE_ENV: "1", CAPACITY_ENV: "enforce" if name == "capacity" else "off"}
+    alone = frozenset({name, *NEEDS.get(name, ())}) & frozenset(GUARDS)
     for guard in GUARDS:
-        env[guard_env(guard)] = "enforce" if guard == name else "off"
-    return Variant(name, HARDENED_LAUNCHER, env, frozenset({name}) & frozenset(GUARDS))
+        env[guard_env(guard)] = "enforce" if guard in alone else "off"
+    return Variant(name, HARDENED_LAUNCHER, env, alone)
 
 
 def parse_variants(text: str | None) -> list[str]:

@@ -109,7 +109,8 @@ class Run:
         self.raw_ctx = zmq.Context()
         self.raw = self.raw_ctx.socket(zmq.PUSH)  # an outsider's socket: sends what it is given, unsigned
         self.raw.connect(self.prefill.endpoint)
-        self.markers, self.alive = 0, True
+        self.markers, self.alive, self.last_raw = 0, True, False
+        self.secret = Path(os.environ["SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"]).read_text().splitlines()[0]
         self.prefill.manager.start_prefill_thread()
 
     def signed(self, frames: list[bytes]) -> None:
@@ -119,13 +120,24 @@ class Run:
             sock.send_multipart(frames)
 
     def sent(self, frames: list[bytes], signed: bool) -> None:
-        self.signed(frames) if signed else self.raw.send_multipart(frames)
+        self.signed(frames) if signed else self.raw_sent(frames)
+
+    def raw_sent(self, frames: list[bytes]) -> None:
+        self.raw.send_multipart(frames)
+        self.last_raw = True
 
     def processed(self) -> bool:
         """Send a signed marker registration behind what was sent; True once the listener processed it."""
         self.markers += 1
         session = f"{HOST}:{19000 + self.markers}"
-        self.signed(registration(session, 0x5000 + self.markers))
+        marker = registration(session, 0x5000 + self.markers)
+        # on the connection the message under test took: a PULL socket orders messages per connection only
+        if self.last_raw:
+            self.raw.send_multipart(plugin_signed(marker, self.prefill.endpoint, self.secret) if self.patched
+                                    else marker)
+        else:
+            self.signed(marker)
+        self.last_raw = False
         deadline = time.monotonic() + (WAIT_S if self.alive else 1.0)  # a dead listener stays dead
         while time.monotonic() < deadline:
             if self.prefill.ptr(session) is not None:
@@ -193,11 +205,11 @@ def main(tree: str, role_switch: bool) -> dict[str, Any]:
              run.case("unsigned registration", registration(f"{HOST}:15002", 0xB000), signed=False)]
     victim = f"{HOST}:15003"
     old = run.captured(registration(victim, 0xC000))
-    run.raw.send_multipart(old)  # the victim's first registration, as it crossed the wire
+    run.raw_sent(old)  # the victim's first registration, as it crossed the wire
     first = run.processed() and p.ptr(victim)
     run.sent(registration(victim, 0xC100), signed=True)  # the victim registers again (new buffers)
     again = run.processed() and p.ptr(victim)
-    run.raw.send_multipart(old)  # an observer replays the first one
+    run.raw_sent(old)  # an observer replays the first one
     cases.append({"case": "replayed registration", "first": first, "again": again, "listener_alive": run.processed(),
                   "ptr": p.ptr(victim)})
     cases.append(run.case("unsigned malformed", [b"x"], signed=False))
@@ -209,7 +221,7 @@ def main(tree: str, role_switch: bool) -> dict[str, Any]:
     if run.patched:
         for name, key, session in (("plugin signed", secret, 15006), ("plugin signed, other secret", "o" * 64, 15007)):
             frames = plugin_signed(registration(f"{HOST}:{session}", 0xF000), p.endpoint, key)
-            run.raw.send_multipart(frames)
+            run.raw_sent(frames)
             cases.append({"case": name, "listener_alive": run.processed(), "ptr": p.ptr(f"{HOST}:{session}")})
         interop = plugin_verdicts(run, secret)
         run.conn.pd_side_channels.MAX_PEER_SOCKETS = 3

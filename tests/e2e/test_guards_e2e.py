@@ -156,13 +156,18 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
                                flags=["--enable-metrics"] if hardened else [])
 
 
+COVERAGE_ALONE = {"SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "off", "SGLANG_HARDEN_CHECKSUM": "off"}
+
+
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
     from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
     env = {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(SETUP.waiting_timeout_s),
            "SGLANG_HARDEN_TESTBED_ABORT_BEFORE_SEND": RETIRE_PREFIX}
     if hardened:
-        env.update({"SGLANG_HARDEN_ACTIVATE": "1", **HARDEN_ENV})
+        # the commit gate's page checks (page tags, canary, digest) judge a transfer at its first success poll,
+        # before coverage's check at the commit: off on this pair, so that coverage alone judges the short send
+        env.update({"SGLANG_HARDEN_ACTIVATE": "1", **HARDEN_ENV, **COVERAGE_ALONE})
     pair = PDPair(
         pin,
         prefill_max_total_tokens=SETUP.prefill_max_total_tokens,

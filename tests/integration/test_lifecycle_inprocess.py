@@ -523,7 +523,7 @@ def test_optional_hooks_follow_the_release(sglang_modules: dict[str, Any]) -> No
 
     assert {h.qualname for h in sglang_v05.OPTIONAL_HOOKS} == {
         "CommonKVManager.poison_deferred_ack_room", "MooncakeKVManager.sync_status_to_decode_endpoint",
-        "CommonKVManager._make_worker_recv",
+        "CommonKVManager._make_worker_recv", "prefetch_staging_reqs",
         "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result", "RadixCache.cache_unfinished_req",
         "RadixCache.checkpoint", "UnifiedRadixCache.cache_unfinished_req", "UnifiedRadixCache.checkpoint"}
     for hook in sglang_v05.OPTIONAL_HOOKS:
