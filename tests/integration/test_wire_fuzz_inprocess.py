@@ -37,6 +37,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -60,6 +61,7 @@ from wire_strategies import DECODE_KINDS, PREFILL_KINDS, messages  # noqa: E402
 from sglang_harden import events  # noqa: E402
 from sglang_harden.compat import control_auth  # noqa: E402
 from sglang_harden.compat.backends.wire_rules import WireRules  # noqa: E402
+from sglang_harden.compat.backends.wire_shapes import MAX_CHUNKS  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.config import HardenConfig, Mode  # noqa: E402
 from sglang_harden.guards.bootstrap_auth import MIN_SECRET_CHARS, parse_secrets  # noqa: E402
@@ -75,6 +77,7 @@ CASES = [(b, "prefill", k) for b in BACKENDS for k in PREFILL_KINDS] + [
     (b, "decode", k) for b in BACKENDS for k in DECODE_KINDS]
 # AUX_DATA is not fed to a vanilla listener: a wild index writes anywhere in this process (shown in a subprocess)
 NOT_FED_TO_VANILLA = {"aux_data"}
+DECIMAL = re.compile(rb"-?[0-9]{1,30}")
 
 
 def _pin() -> tuple[int, ...]:
@@ -183,7 +186,7 @@ def test_hardened_listener_survives_and_vanilla_does_not(listeners: dict[tuple[s
             assert not got and not hardened.sent, "unauthenticated input reached the listener"
             assert same_state(before, hardened.snapshot()), "unauthenticated input changed the manager's state"
         (_prefill_invariants if role == "prefill" else _decode_invariants)(hardened, signer)
-        if kind not in NOT_FED_TO_VANILLA:
+        if kind not in NOT_FED_TO_VANILLA and _bounded_in_vanilla(frames, seen):
             vanilla_state()
             try:
                 vanilla.feed(frames)
@@ -193,12 +196,23 @@ def test_hardened_listener_survives_and_vanilla_does_not(listeners: dict[tuple[s
 
     one()
     print(f"{backend} {role} {kind}: {seen} {first_death[:1]}")
+    assert seen["admitted"] + seen["dropped"] >= EXAMPLES, ("Hypothesis ran fewer cases than asked", seen)
     if _read_here(backend, role, kind):
         assert seen["admitted_as_" + kind], "nothing of this type was admitted: no listener code was exercised"
     else:
         assert not seen["admitted_as_" + kind], "a type this listener does not read here was admitted"
     if _vanilla_dies(backend, role, kind):
         assert seen["vanilla_died"], "the vanilla listener survived every message of this type"
+
+
+def _bounded_in_vanilla(frames: list[bytes], seen: dict[str, int]) -> bool:
+    """False for a STAGING_RSP whose chunk index would make a vanilla listener append to three lists up to it, one
+    item at a time (Mooncake handles it even with staging off: gigabytes and minutes from one message; counted)."""
+    if len(frames) > 2 and frames[0] == b"STAGING_RSP" and DECIMAL.fullmatch(frames[2]) and \
+            int(frames[2]) > MAX_CHUNKS:
+        seen["vanilla_unbounded"] = seen.get("vanilla_unbounded", 0) + 1
+        return False
+    return True
 
 
 def _vanilla_dies(backend: str, role: str, kind: str) -> bool:

@@ -382,3 +382,23 @@ def test_a_release_without_a_parser_drops_the_type() -> None:
 
     rules = WireRules("mooncake", "prefill", Bare())
     assert rules.problem(transfer_info(), None) == "transfer_info: this release has no parser for it"
+
+
+def test_staging_replies_are_bounded(prefill: tuple[WireRules, MooncakeKVManager]) -> None:
+    """Mooncake's prefill appends to three lists up to a STAGING_RSP's chunk index, one item at a time (a chunk
+    index of 10^9 is gigabytes and minutes on the listener thread; Mooncake reads it even with staging off)."""
+    rules, mgr = prefill
+
+    def reply(chunk: int, session: str = VICTIM) -> list[bytes]:
+        return [b"STAGING_RSP", b"1", str(chunk).encode(), b"0", b"1", b"4096", session.encode()]
+
+    assert rules.problem(reply(3), None) == "staging_rsp: staging is off here"
+    mgr.enable_staging, mgr._staging_ctx = True, object()  # type: ignore[attr-defined]
+    assert rules.problem(reply(3), None) == "staging_rsp: for no destination of a known room"
+    assert deliver(rules, mgr, registration(), None) is None
+    assert deliver(rules, mgr, transfer_info(), None) is None
+    assert rules.problem(reply(3), None) is None
+    assert rules.problem(reply(2**16), None) is None
+    assert rules.problem(reply(2**16 + 1), None) == "staging_rsp chunk: out of range"
+    assert rules.problem(reply(10**9), None) == "staging_rsp chunk: out of range"
+    assert rules.problem(reply(3, OTHER), None) == "staging_rsp: for no destination of a known room"

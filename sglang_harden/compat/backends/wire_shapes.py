@@ -34,7 +34,8 @@ DECODE_TAGS = {"mooncake": ("aux_data", "chunk_ready", "staging_req", "abort_ack
                "nixl": ("chunk_ready", "staging_req", "abort_ack"),
                "mori": ("aux_data", "abort_ack")}
 MAX_DESTINATIONS = 1024  # required_dst_info_num: decode ranks per prefill rank of one room
-MAX_CHUNKS = 2**20  # a staging chunk index (SGLang grows a list up to it)
+MAX_CHUNKS = 2**16  # a staging chunk index: SGLang appends to three lists up to it, one item at a time (a
+# request of 1M tokens in 64-token chunks has 16k)
 MAX_DCP = 1024
 MAX_REASON = 64 * 1024
 
