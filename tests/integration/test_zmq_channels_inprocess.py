@@ -80,7 +80,16 @@ def pair() -> Iterator[tuple[Any, Any, str]]:
 
 
 def _recv(pull: Any, timeout_ms: int = 2000) -> list[bytes] | None:
-    return pull.recv_multipart() if pull.poll(timeout_ms) else None
+    """The next admitted message within ``timeout_ms``, else None. Never a blocking receive: after a refusal with
+    nothing behind it the verifying socket would wait for the next message, for ever if none comes."""
+    deadline = time.monotonic() + timeout_ms / 1000
+    while (left := deadline - time.monotonic()) > 0:
+        if pull.poll(int(left * 1000) + 1):
+            try:
+                return pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:  # refused; look again until the deadline
+                continue
+    return None
 
 
 def _raw(push: Any, frames: list[bytes]) -> None:
