@@ -54,6 +54,8 @@ class GuardVerdict:
     missing: list[str] = field(default_factory=list)
     # backends the release has whose hooks for this guard do not resolve (the guard refuses to start on them)
     lacking: list[str] = field(default_factory=list)
+    # the family does not fit this release at all (family_mismatch), whatever its hooks resolve to
+    misfit: bool = False
 
 
 @dataclass
@@ -153,7 +155,7 @@ def judge_family(tree: Any, name: str) -> tuple[dict[str, GuardVerdict], dict[st
     mismatch = family_mismatch(tree, name)
     if mismatch is not None:
         owners = [owner for owner in OWNERS if any(h.owner == owner for h in required)]
-        return {owner: GuardVerdict(NEEDS_PATCH, missing=[mismatch]) for owner in owners}, {
+        return {owner: GuardVerdict(NEEDS_PATCH, missing=[mismatch], misfit=True) for owner in owners}, {
             f"{h.owner}: {h.target}": False for h in optional}
     verdicts = {owner: judge_guard(tree, owner, required) for owner in OWNERS if any(h.owner == owner
                                                                                        for h in required)}
@@ -200,8 +202,7 @@ def _fits(verdicts: dict[str, GuardVerdict]) -> bool:
 
 def _problems(verdicts: dict[str, GuardVerdict]) -> tuple[bool, int]:
     """A family that does not fit the release at all ranks after every family that merely misses hooks."""
-    mismatched = any(V049_MISMATCH in v.missing for v in verdicts.values())
-    return mismatched, sum(len(v.missing) for v in verdicts.values())
+    return any(v.misfit for v in verdicts.values()), sum(len(v.missing) for v in verdicts.values())
 
 
 # ---------------------------------------------------------------- command line
