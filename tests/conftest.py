@@ -11,6 +11,7 @@
   by tests append to through ``SGLANG_HARDEN_TESTBED_PIDFILE``); at session end any of them still alive is
   killed and the session fails.
 - With ``SGLANG_HARDEN_MATRIX_RESULTS=DIR``, each test marked ``proves(path, *guards)`` appends its result per pin
+  (for the paths of a user property ``("proves_paths", [path, ...])`` instead, where a test sets one)
   to ``DIR/<pin>.jsonl``, from which ``sglang-harden doctor --matrix`` builds the guard x pin x path matrix.
 """
 
@@ -223,8 +224,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     case = _item_pin(item) or getattr(getattr(item, "callspec", None), "params", {}).get("case")
     if not isinstance(case, str):
         return
+    # a test whose protected side depends on its case names the paths it ran (user property "proves_paths")
+    paths = next((list(value) for key, value in item.user_properties if key == "proves_paths"), [marker.args[0]])
     try:  # a result that cannot be written must not end the session: the matrix then shows no result for it
-        matrix.record(Path(results), item.nodeid, case.split("/")[0], marker.args[0], marker.args[1:],
-                      report.outcome)
+        for path in dict.fromkeys(paths):
+            matrix.record(Path(results), item.nodeid, case.split("/")[0], path, marker.args[1:], report.outcome)
     except (OSError, ValueError, IndexError) as exc:
         warnings.warn(f"matrix result of {item.nodeid} not recorded: {exc}", stacklevel=1)

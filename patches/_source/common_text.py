@@ -593,6 +593,13 @@ def _ack_edits(note_ack: str, send_ack: str, resend: str, notice: str, generatio
 
 
 ACK_EDITS_0519 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND, NOTICE_0519, generation=False)
+# 0.5.19 and 0.5.20: the sender's clear() drops the room's drain-ack target even while a chunk is still being written
+# (0.5.21 fixed it upstream): the worker then finds no target when the write drains and decode never gets its ack
+CLEAR_ACK_TARGET_0519 = "            self.kv_mgr._deferred_ack_targets.pop(self.bootstrap_room, None)\n"
+CLEAR_EDITS_0519 = [
+    (CONN, CLEAR_ACK_TARGET_0519,
+     "            pd_lifecycle.settle_ack_target(self.kv_mgr, self.bootstrap_room)  # sglang-harden backport\n"),
+]
 ACK_EDITS_0521 = _ack_edits(NOTE_ACK_0519, SEND_ACK_0519, SEND_ACK_0519_RESEND, NOTICE_0521, generation=False)
 ACK_EDITS_0522 = _ack_edits(NOTE_ACK_0522, SEND_ACK_0522, SEND_ACK_0522_RESEND, NOTICE_0521, generation=True) + [
     (CONN, POISON_0522, POISON_0522 +

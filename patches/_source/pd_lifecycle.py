@@ -672,6 +672,19 @@ def ack_deferred(room: int, send: Callable[[], Any]) -> bool:
     return True
 
 
+def settle_ack_target(manager: Any, room: int) -> None:
+    """Prefill, the sender's ``clear()`` of a concluded room (0.5.19, 0.5.20): upstream drops the room's drain-ack
+    target there even while a chunk is still being written, so the transfer worker finds no target when the write
+    drains and decode never gets its acknowledgement (its pages wait out the release timeout, then quarantine for
+    good). Enforce: the target stays while a chunk is outstanding (the worker acknowledges when it drains) and with
+    none outstanding the room is acknowledged now (nothing of it can still land; a failed write's lifetime still
+    applies, ``ack_deferred``). Log and off: upstream's drop."""
+    if MODE != "enforce" or not hasattr(manager, "_staging_outstanding"):
+        manager._deferred_ack_targets.pop(room, None)
+        return
+    manager._maybe_ack_drained_abort(room)
+
+
 # ---- prefill on releases without drain acknowledgements (0.5.18 Mooncake): this module sends them
 
 _ACK_TARGETS: dict[tuple[int, int], tuple[str, int]] = {}

@@ -128,7 +128,7 @@ def series(gated: bool) -> list:
         *([gate_patch()] if gated else []),
         page_tags_patch(" " * 12, gated),
         canary_patch(" " * 12, gated),
-        lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0519 if gated else ()),
+        lifecycle_patch(" " * 12, ACK_EDITS_0519 + CLEAR_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0519 if gated else ()),
         digest_patch() if gated else digest_patch(decode=UNGATED_DIGEST_CHECK),
     ]
 

@@ -30,7 +30,7 @@ PATCHES = [
     _by_name["commit-gate"],
     _by_name["page-ownership-tags"],
     _by_name["kv-canary"],
-    lifecycle_patch(" " * 12, ACK_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
+    lifecycle_patch(" " * 12, ACK_EDITS_0519 + CLEAR_EDITS_0519 + NIXL_EDITS, free_contexts=FREE_CONTEXTS_0520),
     _by_name["kv-digest"],
     side_channels_patch(daemon_threads=False, polled_recv=False),
 ]

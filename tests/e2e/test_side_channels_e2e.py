@@ -6,19 +6,23 @@ frame; the plugin signs every side-channel message (an HMAC auth frame under the
 hardened testbed server gets) and drops unsigned ones (``zmq_auth``, mode enforce), and starts a side-channel
 listener again when it raises (``side_channels``).
 
-One vanilla and one hardened pair per case (``<pin>/<backend>``: the CI pins with Mooncake, and NIXL where
-``ci/pins.toml`` lists it; on Mooncake also a lone hardened decode without the secret, for what it reports), both
-with the test-only ``wiretap`` shim: the attacker (a process of its own under the pin's python,
+One vanilla pair, one hardened pair (the plugin) and, where the pin's backport series has the
+``authenticate-side-channels`` patch, one patched pair (a copy of the pin's SGLang with the series applied, the
+plugin off) per case (``<pin>/<backend>``: the CI pins with Mooncake, and NIXL where ``ci/pins.toml`` lists it; on
+Mooncake also a lone hardened decode without the secret, for what it reports), all with the test-only ``wiretap``
+shim: the attacker (a process of its own under the pin's python,
 ``sglang_harden.testbed.zmq_attacker``, without the secret) finds the rank ports as a port scan would and clones
 what a sniffer reads (``sglang_harden.testbed.side_channels``). Each test runs the same scenario
-on both pairs: the harm shows on vanilla, hardened stops it. The scenarios that wreck vanilla come last (a
+on every pair: the harm shows on vanilla, the plugin and the patched tree stop it (a test that ran the patched pair
+records the patch path too; a patched tree logs its drops instead of counting them, so there the counts are lower
+bounds). The scenarios that wreck vanilla come last (a
 hijacked session stays hijacked, a dead listener stays dead):
 
 1. forged drain ack: decode aborts a request while prefill's write into its pages is held back (test-only
    ``latewrite`` shim); the attacker sends ``ABORT_ACK`` for the room from each plausible rank (and, 0.5.22+,
    small generations and the one decode's abort carried). 0.5.23 vanilla (deferred release on by default)
    hands the pages back at once, while the write is still pending; hardened keeps them until prefill's real ack.
-   0.5.19 vanilla has no deferred release: it frees the pages at the abort itself, before any ack;
+   vanilla before 0.5.21 (deferred release off by default) frees the pages at the abort itself, before any ack;
 2. copy: the attacker registers its own Mooncake transfer engine (NIXL: its own NIXL agent, UCX on loopback)
    and adds it as a second destination of a live room (decode half sent first, the attacker acts once the tap
    shows decode's transfer info, then the prefill half). Vanilla writes the victim's KV into the attacker's zero
@@ -30,7 +34,7 @@ hijacked session stays hijacked, a dead listener stays dead):
 4. malformed frames: one frame to each rank port (notes 3.3: ``[b"x"]`` kills prefill's listener on both
    backends, ``[b"AUX_DATA"]`` Mooncake decode's; NIXL 0.5.23's decode listener survives anything without
    staging); vanilla stops serving PD requests (its log shows the listener's traceback); hardened drops them, and
-   the same frames signed by a holder of the secret (a buggy peer) make its listener raise and start again.
+   its wire rules drop the same frames signed by a holder of the secret (a buggy peer).
 """
 
 from __future__ import annotations
@@ -49,10 +53,11 @@ import pytest
 
 from sglang_harden.testbed.client import GenResult, PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
-from sglang_harden.testbed.envs import ci_pins, get_recipe, require_env
+from sglang_harden.testbed.envs import get_recipe, plugin_pins, require_env
 from sglang_harden.testbed.incident import KVTRACE_ENV, tenant_a_prompt
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
 from sglang_harden.testbed.latewrite_trace import await_send, landed
+from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.procenv import testbed_env as _env_of
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, SECRET_FILE_ENV, VANILLA_LAUNCHER, Server
@@ -75,11 +80,19 @@ from sglang_harden.testbed.side_channels import (
 )
 from sglang_harden.testbed.tools_cli import run_tool
 from sglang_harden.testbed.zmq_attacker import Attacker
+from sglang_harden.tools.patch import default_patches_dir, load_series
 
 pytestmark = pytest.mark.e2e
 
-CASES = [f"{pin}/{backend}" for pin in ci_pins() for backend in get_recipe(pin).transfer_backends]
-KINDS = ("vanilla", "hardened")
+# the releases where the plugin (plugin_pins) or the backport series (authenticate-side-channels) signs the side
+# channels; CI runs its pins (ci/pins.toml), scripts/matrix.sh the rest
+PINS = ["0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
+CASES = [f"{pin}/{backend}" for pin in PINS for backend in get_recipe(pin).transfer_backends]
+KINDS = ("vanilla", "hardened", "patched")
+PROTECTED = ("hardened", "patched")
+# a patched tree logs its drops (no metrics there), at most once per 10 s per reason and message type, with the
+# count since: what its log says so far is a lower bound (a drop within 10 s of one of the same kind shows later)
+PATCHED_DROPS = r"sglang-harden: {guard} dropped (\d+) side-channel message"
 SIZES = {"prefill_max_total_tokens": 600, "decode_max_total_tokens": 600, "context_length": 512}
 PROMPT_LEN = 40
 NEW_TOKENS = 12
@@ -91,7 +104,9 @@ LATE_DELAY_S = 90.0
 # SGLang's deferred-release timeout (0.5.21+ default): a release sooner than this after the abort was an ack
 DEFERRED_RELEASE_TIMEOUT_S = 30.0
 ACK_SETTLE_S = 4.0  # how long the forged acks get to act (vanilla: one scheduler loop)
-FREES_AT_ONCE = ("0.5.19",)  # vanilla decode without deferred release: an aborted request's pages go at once
+# vanilla decode without deferred release (none before 0.5.19, off by default until 0.5.21): an aborted request's
+# pages go at once
+FREES_AT_ONCE = ("0.5.18", "0.5.19", "0.5.20")
 LISTENER_DEATH_S = 15.0  # a killed listener's traceback reaches the log within this
 DEAD_REQUEST_TIMEOUT_S = 20.0  # the request after the kill: a served one takes a few seconds here
 SETTLE_S = 1.0  # the attacker's frames reach the listener before the request that they target
@@ -120,14 +135,23 @@ class Side:
 
     @property
     def hardened(self) -> bool:
+        """The plugin's pair (its decisions on ``/server_info``)."""
         return self.kind == "hardened"
+
+    @property
+    def protected(self) -> bool:
+        """The plugin's pair or the patched tree's (the pin's series, plugin off), both with the secret."""
+        return self.kind in PROTECTED
 
     def port(self, role: str) -> str:
         return self.tap.endpoint(role)
 
-    def rejected(self, server: Server) -> int:
-        """Unsigned side-channel messages the node's scheduler dropped so far (0 on vanilla)."""
-        return int(server.harden_decisions().get("zmq_auth:reject", 0)) if self.hardened else 0
+    def rejected(self, server: Server, guard: str = "zmq_auth") -> int:
+        """Side-channel messages the node dropped so far: unsigned ones (``zmq_auth``) or signed ones its wire rules
+        refused (``side_channels``); 0 on vanilla; on a patched tree what its log said so far (PATCHED_DROPS)."""
+        if self.kind == "patched":
+            return sum(int(n) for n in re.findall(PATCHED_DROPS.format(guard=guard), server.log_text()))
+        return int(server.harden_decisions().get(f"{guard}:reject", 0)) if self.hardened else 0
 
 
 @dataclass
@@ -138,7 +162,13 @@ class Case:
     without_secret: Server | None = None  # a hardened decode without the secret (Mooncake cases)
 
     def __iter__(self) -> Iterator[Side]:
-        return iter(self.sides[kind] for kind in KINDS)
+        return iter(self.sides[kind] for kind in KINDS if kind in self.sides)
+
+    def protected(self, seen: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+        """``(kind, round)`` of the plugin's pair and, where the pin's series has the patch, the patched tree's."""
+        protected = [(kind, seen[kind]) for kind in PROTECTED if kind in seen]
+        assert protected, f"{self.pin}: no protected pair ran (nothing here would be proven)"
+        return iter(protected)
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -154,9 +184,10 @@ def case(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
     hardened decode without the secret (what it reports); all stopped at the end, also when a start fails."""
     version, backend = pin.split("/")
     root: Path = tmp_path_factory.mktemp(f"side-channels-{version}-{backend}")
-    pairs = {kind: _pair(version, backend, kind, root / kind) for kind in KINDS}
+    kinds = [kind for kind in KINDS if _runs(kind, version)]
+    pairs = {kind: _pair(version, backend, kind, root / kind) for kind in kinds}
     lone = None
-    if backend == "mooncake":  # one per pin is enough: what it shows does not depend on the transfer backend
+    if backend == "mooncake" and "hardened" in pairs:  # one per pin is enough: it does not depend on the backend
         lone = Server(version, "decode", max_total_tokens=SIZES["decode_max_total_tokens"],
                       context_length=SIZES["context_length"], transfer_backend=backend,
                       launcher_module=HARDENED_LAUNCHER, log_dir=root / "without-secret", name="decode-no-secret",
@@ -169,7 +200,7 @@ def case(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
         _start_together(list(pairs.values()))
         if lone is not None:
             lone.wait_ready()
-        _say(f"{pin}: both pairs ready in {time.monotonic() - started:.0f} s")
+        _say(f"{pin}: every pair ready in {time.monotonic() - started:.0f} s")
         sides = {}
         for kind, pair in pairs.items():
             attackers.append(Attacker(str(require_env(version)), env=_env_of(get_recipe(version))))
@@ -191,11 +222,32 @@ def case(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
             raise failures[0]
 
 
+def _runs(kind: str, pin: str) -> bool:
+    """Vanilla always; the plugin where it supports the pin; the patched tree where the pin's series
+    authenticates the side channels (``authenticate-side-channels``)."""
+    if kind == "hardened":
+        return pin in plugin_pins()
+    if kind == "patched":
+        return any("authenticate-side-channels" in p.name for p in load_series(pin, default_patches_dir()))
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _proves_what_ran(request: pytest.FixtureRequest, case: Case) -> None:
+    """A proving test proves the path of each protected pair its case ran: the plugin's, the patched tree's or both
+    (tests/conftest.py records the result for each)."""
+    if request.node.get_closest_marker("proves"):
+        paths = [path for kind, path in (("hardened", "plugin"), ("patched", "patch")) if kind in case.sides]
+        request.node.user_properties.append(("proves_paths", paths))
+
+
 def _pair(pin: str, backend: str, kind: str, log_dir: Path) -> PDPair:
     trace = log_dir / "trace"
     env = {WIRETAP_ENV: str(log_dir / "tap")}
     if kind == "hardened":
         env["SGLANG_HARDEN_ACTIVATE"] = "1"
+    elif kind == "patched":  # the pin's series applied to a copy of its SGLang, the plugin off; the secret as ever
+        env.update(patched_env(patched_tree(pin, log_dir / "tree")))
     return PDPair(pin, transfer_backend=backend, **SIZES, env=env,
                   prefill_env={LATE_WRITE_ENV: f"{LATE_DELAY_S}:{DRAIN_ROOM}:trigger={trace / 'land-now'}",
                                KVTRACE_ENV: str(trace)},
@@ -257,22 +309,36 @@ def _pool_until(side: Side, want_full: bool, timeout: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- the tests
 
 
+def _dropped(kind: str, round_: dict[str, Any], forged: int) -> bool:
+    """The plugin counted every forged message of the round; a patched tree's log has said it dropped some (what
+    it drops within 10 s of a drop of the same kind shows in its log only later, PATCHED_DROPS)."""
+    if kind == "hardened":
+        return bool(round_["dropped"] >= forged)
+    return bool(round_["dropped_so_far"] >= 1)
+
+
 def test_side_channel_auth_reported(case: Case) -> None:
     """What each node says of its side channels (``/server_info`` and ``sglang-harden audit``) and what a sniffer
     sees of them: hardened nodes with the secret report ``enforce`` and sign every message (decode's registration
     ends with the auth frame); vanilla reports nothing and signs nothing; a hardened node without the secret
     reports ``unauthenticated``, and audit flags it."""
     for side in case:
-        for server in (side.pair.prefill, side.pair.decode):
+        for role, server in (("prefill", side.pair.prefill), ("decode", side.pair.decode)):
             state = server.harden_state()
             if side.hardened:
                 assert state.get("side_channel_auth") == "enforce", state
                 assert {"zmq_auth", "side_channels"} <= set(state.get("guards", [])), state
             else:
                 assert state == {}, state
+            if side.kind == "patched":  # the series says it in its log (patched trees export no report)
+                log = server.log_text()
+                assert f"pd_side_channels: {role} {case.backend} rank port" in log, (role, log[-2000:])
+                assert "ZMQ auth enforce, wire rules enforce" in log, role
         _served(side.pair.generate(_body(1, f"hello-{side.kind}")))
         registration = side.tap.wait("decode", "prefill", is_registration, "registration")
-        assert (registration.auth is not None) == side.hardened, registration
+        assert (registration.auth is not None) == side.protected, (side.kind, registration)
+    if "hardened" not in case.sides:
+        return
     hardened = case.sides["hardened"].pair
     code, audit = run_tool("audit", hardened.prefill.url, hardened.decode.url, "--timeout", "30")
     assert [node["side_channel_auth"] for node in audit["nodes"]] == ["enforce", "enforce"], audit
@@ -293,21 +359,22 @@ def test_forged_drain_ack_does_not_release_held_pages(case: Case) -> None:
     """Decode aborts a request while prefill's write into its pages is held back; the attacker acks the drain."""
     seen = {side.kind: _drain_ack_round(side) for side in case}
     _say(f"{case.pin}/{case.backend} forged drain ack: {seen}")
-    vanilla, hardened = seen["vanilla"], seen["hardened"]
+    vanilla = seen["vanilla"]
     for kind, round_ in seen.items():
         assert round_["abort_status"] == 200, (kind, round_)
         assert not round_["written_at_acks"], (kind, "the held write landed before the check (scenario timing)", round_)
         assert round_["final"]["full"], (kind, "decode's pool never came back after the write landed", round_)
     if case.pin in FREES_AT_ONCE:
-        # 0.5.19 vanilla has no deferred release: decode frees an aborted request's pages at the abort itself (the
-        # held write then lands in free pages), forged acks or not; there is nothing for them to release
+        # vanilla before 0.5.21 has no deferred release on: decode frees an aborted request's pages at the abort
+        # itself (the held write then lands in free pages), forged acks or not; there is nothing for them to release
         assert vanilla["after_acks"]["full"], vanilla
     else:
         assert not vanilla["before_acks"]["full"], ("vanilla did not hold the pages for the drain ack", vanilla)
         assert vanilla["after_acks"]["full"], ("vanilla kept the pages despite the forged acks", vanilla)
         assert vanilla["released_after_abort_s"] < DEFERRED_RELEASE_TIMEOUT_S, vanilla
-    assert not hardened["after_acks"]["full"], ("hardened released the pages at the forged acks", hardened)
-    assert hardened["dropped"] >= hardened["forged_acks"], hardened
+    for kind, round_ in case.protected(seen):
+        assert not round_["after_acks"]["full"], (kind, "released the pages at the forged acks", round_)
+        assert _dropped(kind, round_, round_["forged_acks"]), (kind, "did not count the forged acks as dropped", round_)
 
 
 def _drain_ack_round(side: Side) -> dict[str, Any]:
@@ -336,6 +403,7 @@ def _drain_ack_round(side: Side) -> dict[str, Any]:
         held_for = time.monotonic() - held_from
         written = landed(side.trace)
         dropped = side.rejected(pair.decode) - dropped_before
+        dropped_so_far = side.rejected(pair.decode)
         quarantined = quarantined_pages_by_room(pair.decode.log_text()).get(DRAIN_ROOM, 0)
     finally:
         side.trigger.parent.mkdir(parents=True, exist_ok=True)
@@ -348,7 +416,8 @@ def _drain_ack_round(side: Side) -> dict[str, Any]:
     return {"abort_status": abort_status, "abort_frames": len(abort.frames), "forged_acks": len(acks),
             "abort_notice_after_s": round(notice_after, 2), "write_held_at_check_s": round(held_for, 2),
             "before_acks": before, "after_acks": after, "released_after_abort_s": round(released_after, 2),
-            "written_at_acks": written, "dropped": dropped, "quarantined_pages": quarantined, "final": final,
+            "written_at_acks": written, "dropped": dropped, "dropped_so_far": dropped_so_far,
+            "quarantined_pages": quarantined, "final": final,
             "decode_status": done["r"].decode.status if "r" in done else None}
 
 
@@ -358,13 +427,14 @@ def test_copy_destination_for_a_live_room(case: Case) -> None:
     room."""
     seen = {side.kind: _copy_round(side, case.backend) for side in case}
     _say(f"{case.pin}/{case.backend} copy: {seen}")
-    vanilla, hardened = seen["vanilla"], seen["hardened"]
+    vanilla = seen["vanilla"]
     for kind, round_ in seen.items():
         assert round_["victim"] == round_["reference"], (kind, "the victim's output is not its own", round_)
     assert vanilla["kv_bytes_at_attacker"] > 0, ("vanilla wrote nothing to the attacker's buffer", vanilla)
-    assert hardened["kv_bytes_at_attacker"] == 0 and hardened["aux_bytes_at_attacker"] == 0, hardened
-    assert hardened["statuses_at_attacker"] == 0, hardened
-    assert hardened["dropped"] >= 2, hardened
+    for kind, round_ in case.protected(seen):
+        assert round_["kv_bytes_at_attacker"] == 0 and round_["aux_bytes_at_attacker"] == 0, (kind, round_)
+        assert round_["statuses_at_attacker"] == 0, (kind, round_)
+        assert _dropped(kind, round_, 2), (kind, "did not count the forged messages as dropped", round_)
 
 
 def _copy_round(side: Side, backend: str) -> dict[str, Any]:
@@ -406,7 +476,7 @@ def _copy_round(side: Side, backend: str) -> dict[str, Any]:
             "kv_bytes_at_attacker": side.attacker.ask(op="buffer", start=0, end=dest.kv_bytes)["nonzero_bytes"],
             "aux_bytes_at_attacker": side.attacker.ask(op="buffer", start=dest.kv_bytes)["nonzero_bytes"],
             "statuses_at_attacker": len(side.attacker.ask(op="inbox")["messages"]),
-            "dropped": side.rejected(pair.prefill) - dropped_before}
+            "dropped": side.rejected(pair.prefill) - dropped_before, "dropped_so_far": side.rejected(pair.prefill)}
 
 
 @pytest.mark.proves("plugin", "zmq_auth")
@@ -418,11 +488,12 @@ def test_session_hijack_moves_the_victims_kv(case: Case) -> None:
                     "cannot replace a live decode's; the copy test covers a second destination there")
     seen = {side.kind: _hijack_round(side) for side in case}
     _say(f"{case.pin}/{case.backend} hijack: {seen}")
-    vanilla, hardened = seen["vanilla"], seen["hardened"]
+    vanilla = seen["vanilla"]
     assert vanilla["status"] == 200 and vanilla["after"] != vanilla["reference"], (
         "vanilla decode read its own KV after the hijack", vanilla)
-    assert hardened["status"] == 200 and hardened["after"] == hardened["reference"], hardened
-    assert hardened["dropped"] >= 1, hardened
+    for kind, round_ in case.protected(seen):
+        assert round_["status"] == 200 and round_["after"] == round_["reference"], (kind, round_)
+        assert _dropped(kind, round_, 1), (kind, "did not count the forged registration as dropped", round_)
 
 
 def _hijack_round(side: Side) -> dict[str, Any]:
@@ -434,27 +505,30 @@ def _hijack_round(side: Side) -> dict[str, Any]:
     time.sleep(SETTLE_S)
     after = pair.generate(_body(51, f"hijack-victim-{side.kind}"))
     return {"reference": reference, "after": after.decode.output_ids, "status": after.decode.status,
-            "prefill_status": after.prefill.status, "dropped": side.rejected(pair.prefill) - dropped_before}
+            "prefill_status": after.prefill.status, "dropped": side.rejected(pair.prefill) - dropped_before,
+            "dropped_so_far": side.rejected(pair.prefill)}
 
 
 @pytest.mark.proves("plugin", "zmq_auth", "side_channels")
 def test_malformed_frames_do_not_stop_pd_serving(case: Case) -> None:
     """One malformed frame to each rank port. Vanilla's listener threads die (their tracebacks in the logs) and
-    the next PD request is never served; hardened drops the unsigned frames, and the same frames signed by a
-    holder of the secret make its listeners raise and start again: it serves the next request as before."""
+    the next PD request is never served; hardened drops the unsigned frames (``zmq_auth``), and the same frames
+    signed by a holder of the secret (a peer with a bug) are dropped by the wire rules (``side_channels``) before
+    SGLang's listener reads them: it serves the next request as before. (The listener restart behind the wire rules
+    is tested in process, tests/integration/test_zmq_channels_inprocess.py: no message found by the fuzzing passes
+    the rules and raises in a listener.)"""
     seen = {side.kind: _malformed_round(side, case.backend) for side in case}
     _say(f"{case.pin}/{case.backend} malformed frames: {seen}")
-    vanilla, hardened = seen["vanilla"], seen["hardened"]
+    vanilla = seen["vanilla"]
     assert vanilla["died"]["prefill"], ("vanilla prefill's listener survived", vanilla)
     if case.backend == "mooncake":
         assert vanilla["died"]["decode"], ("vanilla decode's listener survived", vanilla)
     assert not vanilla["served_after"], ("vanilla still serves PD requests", vanilla)
-    assert hardened["dropped"] == {"prefill": 1, "decode": 1}, hardened
-    assert not any(hardened["died"].values()), hardened
-    assert hardened["restarted"]["prefill"], ("hardened prefill's listener was not started again", hardened)
-    if case.backend == "mooncake":
-        assert hardened["restarted"]["decode"], ("hardened decode's listener was not started again", hardened)
-    assert hardened["served_after"] and hardened["after"] == hardened["reference"], hardened
+    for kind, round_ in case.protected(seen):
+        for guard in ("dropped", "signed_dropped"):  # one frame per role each time (a patched tree logs the first)
+            assert round_[guard] == {"prefill": 1, "decode": 1}, (kind, guard, round_)
+        assert not any(round_["died"].values()), (kind, round_)
+        assert round_["served_after"] and round_["after"] == round_["reference"], (kind, round_)
 
 
 def _log_since(server: Server, offset: int) -> str:
@@ -477,24 +551,27 @@ def _malformed_round(side: Side, backend: str) -> dict[str, Any]:
     died = {role: False for role in servers}
     while time.monotonic() < deadline and not all(died[role] for role in killed):
         died = {role: bool(dead[role].search(_log_since(server, offsets[role]))) for role, server in servers.items()}
-        if side.hardened and all(side.rejected(s) > dropped_before[r] for r, s in servers.items()):
+        if side.protected and all(side.rejected(s) > dropped_before[r] for r, s in servers.items()):
             break
         time.sleep(0.25)
     dropped = {role: side.rejected(server) - dropped_before[role] for role, server in servers.items()}
-    restarted = {role: False for role in servers}
-    if side.hardened:  # a holder of the secret (a peer with a bug) sends the same frames, signed
+    signed_before = {role: side.rejected(server, "side_channels") for role, server in servers.items()}
+    if side.protected:  # a holder of the secret (a peer with a bug) sends the same frames, signed
         for role in servers:
             secret = servers[role].secret_file.read_text()
             side.attacker.send(side.port(role), signed(secret, killers[role], side.port(role)))
         deadline = time.monotonic() + LISTENER_DEATH_S
-        while time.monotonic() < deadline and not all(restarted[role] for role in killed):
-            restarted = {role: "started again" in _log_since(server, offsets[role])
-                         for role, server in servers.items()}
+        while time.monotonic() < deadline and not all(
+                side.rejected(s, "side_channels") > signed_before[r] for r, s in servers.items()):
             time.sleep(0.25)
         died = {role: bool(dead[role].search(_log_since(server, offsets[role]))) for role, server in servers.items()}
+    signed_dropped = {role: side.rejected(server, "side_channels") - signed_before[role]
+                      for role, server in servers.items()}
+    restarted = {role: "started again" in _log_since(server, offsets[role]) for role, server in servers.items()}
     after = pair.generate(_body(61, f"malformed-after-{side.kind}"),
-                          timeout=120 if side.hardened else DEAD_REQUEST_TIMEOUT_S)
-    return {"reference": reference, "died": died, "dropped": dropped, "restarted": restarted,
+                          timeout=120 if side.protected else DEAD_REQUEST_TIMEOUT_S)
+    return {"reference": reference, "died": died, "dropped": dropped, "signed_dropped": signed_dropped,
+            "restarted": restarted,
             "served_after": after.prefill.ok and after.decode.ok, "after": after.decode.output_ids,
             "after_status": (after.prefill.status, after.decode.status),
             "after_elapsed_s": round(after.decode.elapsed_s, 1)}

@@ -272,3 +272,45 @@ def test_0518_series_counts_chunks_before_the_status_check_and_decode_counts_ran
     assert count < conn.index("kv_chunk.room not in self.request_status", count)
     assert "pd_lifecycle.ack_when_drained(" in conn and conn.count("pd_lifecycle.ack_if_drained(") == 2
     assert "pd_lifecycle.ranked_ack_received(msg)" in conn
+
+
+class DrainingManager:
+    """Stands in for 0.5.19's common KV manager on prefill (its drain-ack target table, in-flight chunk counts and
+    ``_maybe_ack_drained_abort``: ack once nothing of the room is outstanding, at most once; a real manager needs
+    a transfer engine: tests/e2e/test_side_channels_e2e.py's forged-drain-ack case runs 0.5.19's patched tree)."""
+
+    def __init__(self) -> None:
+        self._deferred_ack_targets: dict[int, tuple[str, int]] = {}
+        self._staging_outstanding: dict[int, int] = {}
+        self.acked: list[int] = []
+
+    def _maybe_ack_drained_abort(self, room: int) -> None:
+        if self._staging_outstanding.get(room, 0) > 0:
+            return
+        if self._deferred_ack_targets.pop(room, None) is not None:
+            self.acked.append(room)
+
+
+def test_0519_clear_keeps_the_ack_target_of_a_room_still_being_written(
+        trees: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.5.19's clear() dropped a room's drain-ack target while its chunk was still being written, so the worker
+    found none when the write drained: decode never got its ack and held the pages in quarantine for good."""
+    conn = (trees["0.5.19"] / "sglang/srt/disaggregation/common/conn.py").read_text()
+    assert "pd_lifecycle.settle_ack_target(self.kv_mgr, self.bootstrap_room)" in conn
+    assert "self.kv_mgr._deferred_ack_targets.pop(self.bootstrap_room, None)" not in conn
+    lifecycle = load(trees["0.5.19"], monkeypatch)
+    manager = DrainingManager()
+    manager._deferred_ack_targets[41], manager._staging_outstanding[41] = ("127.0.0.1", 9100), 1
+    lifecycle.settle_ack_target(manager, 41)  # the scheduler concluded the room while its chunk is in flight
+    assert 41 in manager._deferred_ack_targets and manager.acked == []
+    manager._staging_outstanding[41] = 0
+    manager._maybe_ack_drained_abort(41)  # the worker, once the write drained
+    assert manager.acked == [41]
+    manager._deferred_ack_targets[42] = ("127.0.0.1", 9100)
+    lifecycle.settle_ack_target(manager, 42)  # nothing in flight: acknowledged now
+    assert manager.acked == [41, 42]
+    for mode in ("log", "off"):  # upstream's drop
+        upstream = load(trees["0.5.19"], monkeypatch, mode)
+        manager._deferred_ack_targets[43], manager._staging_outstanding[43] = ("127.0.0.1", 9100), 1
+        upstream.settle_ack_target(manager, 43)
+        assert 43 not in manager._deferred_ack_targets and manager.acked == [41, 42], mode
