@@ -110,6 +110,9 @@ FREES_AT_ONCE = ("0.5.18", "0.5.19", "0.5.20")
 LISTENER_DEATH_S = 15.0  # a killed listener's traceback reaches the log within this
 DEAD_REQUEST_TIMEOUT_S = 20.0  # the request after the kill: a served one takes a few seconds here
 SETTLE_S = 1.0  # the attacker's frames reach the listener before the request that they target
+# the victim's decode half waits while the attacker builds its destination: a NIXL agent's UCX set-up once took
+# over two minutes on a loaded 2-core host (0.5.22, two modules side by side), past an earlier 120 s
+COPY_REQUEST_TIMEOUT_S = 300.0
 # what kills each listener on vanilla (notes 3.3); NIXL 0.5.23's decode listener is robust to anything without staging
 PREFILL_KILLER = [b"x"]
 DECODE_KILLER = {"mooncake": [b"AUX_DATA"], "nixl": [b"x"]}
@@ -443,7 +446,8 @@ def _copy_round(side: Side, backend: str) -> dict[str, Any]:
     room = random.randrange(2**62)
     body = _booted(side, _body(41, f"copy-victim-{side.kind}"), room)
     decode_half: dict[str, GenResult] = {}
-    waiting = threading.Thread(target=lambda: decode_half.update(r=generate(pair.decode.url, body, timeout=120)))
+    waiting = threading.Thread(target=lambda: decode_half.update(r=generate(pair.decode.url, body,
+                                                                            timeout=COPY_REQUEST_TIMEOUT_S)))
     waiting.start()
     try:
         info = side.tap.wait("decode", "prefill", is_transfer_info(room), "transfer info of the victim's room")
@@ -466,9 +470,9 @@ def _copy_round(side: Side, backend: str) -> dict[str, Any]:
         for message in frames:
             side.attacker.send(side.port("prefill"), message)
         time.sleep(SETTLE_S)
-        prefill_half = generate(pair.prefill.url, body, timeout=120)
+        prefill_half = generate(pair.prefill.url, body, timeout=COPY_REQUEST_TIMEOUT_S)
     finally:
-        waiting.join(150)
+        waiting.join(COPY_REQUEST_TIMEOUT_S + 30)
     assert prefill_half.ok and decode_half["r"].ok, (prefill_half.summary(), decode_half["r"].summary())
     time.sleep(SETTLE_S)  # the copy's last bytes land after the victim's own (a second destination)
     return {"reference": reference, "victim": decode_half["r"].output_ids, "pages": pages,
