@@ -21,9 +21,12 @@ for an unsigned message):
     registered from (signed: one its sender registered from), else prefill would connect to and ack any
     ``ip:port`` (and keep a socket for each); a signed one for a room with transfer infos comes from one of
     their senders.
-(e) statuses, CHUNK_READY, STAGING_REQ (decode): only for a room decode knows; ABORT_ACK only for a room decode
-    knows or holds for drain acks (the receiver is cleared while its pages wait for the acks; on a release without
-    SGLang's table of held rooms, 0.5.18, the lifecycle's own drain-ack ledger is the only judge).
+(e) statuses, CHUNK_READY, STAGING_REQ (decode): only for a room decode knows. ABORT_ACK: its shape only, no room
+    rule: SGLang records an ack only for a room it holds for drain acks, and the lifecycle
+    guard's drain-ack ledger judges the rest itself (live transfer, generation, targeted rank; bounded), including
+    rooms SGLang no longer knows whose pages the guard still keeps in quarantine for that ack and a targeted
+    rank's ack that arrives before decode's notice (a room rule here dropped exactly those: the quarantine then
+    held their pages for good).
 
 State is bounded: registrants and rooms are LRU-capped, a room's record ages out and restarts when SGLang no
 longer holds the room. A key SGLang still holds whose record was forgotten keeps its first registration; a signed
@@ -202,12 +205,9 @@ class WireRules:
         return None if infos and shape.key in infos else "staging_rsp: for no destination of a known room"
 
     def _known_room(self, shape: Shape, frames: Sequence[bytes], sender: bytes | None) -> str | None:
-        known = _holds(getattr(self._manager, "request_status", None), shape.room)
-        if not known and shape.kind == "abort_ack":  # an aborted receiver is cleared while its pages wait for acks
-            held = getattr(self._manager, "_deferred_abort_ack_tracker", None)
-            # 0.5.18 keeps no such table (the backport series' lifecycle counts its ranked acks itself): not refused
-            known = held is None or _holds(held, shape.room)
-        if not known:
+        if shape.kind == "abort_ack":
+            return None  # no room rule: (e) above
+        if not _holds(getattr(self._manager, "request_status", None), shape.room):
             return f"{shape.kind}: for a room this decode does not know"
         inline_status = self._release is not None and not self._release.status_parser
         if shape.kind == "status" and self.backend == "mooncake" and inline_status:
