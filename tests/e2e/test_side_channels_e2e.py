@@ -53,7 +53,7 @@ import pytest
 
 from sglang_harden.testbed.client import GenResult, PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
-from sglang_harden.testbed.envs import get_recipe, plugin_pins, require_env
+from sglang_harden.testbed.envs import get_recipe, require_env
 from sglang_harden.testbed.incident import KVTRACE_ENV, tenant_a_prompt
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
 from sglang_harden.testbed.latewrite_trace import await_send, landed
@@ -80,12 +80,13 @@ from sglang_harden.testbed.side_channels import (
 )
 from sglang_harden.testbed.tools_cli import run_tool
 from sglang_harden.testbed.zmq_attacker import Attacker
-from sglang_harden.tools.patch import default_patches_dir, load_series
+from sglang_harden.tools import matrix
+from sglang_harden.tools.patch import default_patches_dir
 
 pytestmark = pytest.mark.e2e
 
-# the releases where the plugin (plugin_pins) or the backport series (authenticate-side-channels) signs the side
-# channels; CI runs its pins (ci/pins.toml), scripts/matrix.sh the rest
+# the releases where the plugin or the backport series signs the side channels (_runs); CI runs its pins
+# (ci/pins.toml), scripts/matrix.sh the rest
 PINS = ["0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
 CASES = [f"{pin}/{backend}" for pin in PINS for backend in get_recipe(pin).transfer_backends]
 KINDS = ("vanilla", "hardened", "patched")
@@ -226,12 +227,12 @@ def case(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
 
 
 def _runs(kind: str, pin: str) -> bool:
-    """Vanilla always; the plugin where it supports the pin; the patched tree where the pin's series
-    authenticates the side channels (``authenticate-side-channels``)."""
+    """Vanilla always; the plugin and the patched tree where the matrix says that path has ``zmq_auth`` on the pin
+    (the plugin's adapter hooks it; the series has ``authenticate-side-channels``)."""
     if kind == "hardened":
-        return pin in plugin_pins()
+        return "zmq_auth" in matrix.plugin_guards(pin)
     if kind == "patched":
-        return any("authenticate-side-channels" in p.name for p in load_series(pin, default_patches_dir()))
+        return "zmq_auth" in matrix.patch_guards(pin, default_patches_dir())
     return True
 
 
