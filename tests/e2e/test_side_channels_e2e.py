@@ -157,6 +157,11 @@ class Side:
             return sum(int(n) for n in re.findall(PATCHED_DROPS.format(guard=guard), server.log_text()))
         return int(server.harden_decisions().get(f"{guard}:reject", 0)) if self.hardened else 0
 
+    def drops_since(self, server: Server, before: int) -> dict[str, int]:
+        """A round's unsigned drops (``dropped``) and the node's total so far (``dropped_so_far``), one read."""
+        so_far = self.rejected(server)
+        return {"dropped": so_far - before, "dropped_so_far": so_far}
+
 
 @dataclass
 class Case:
@@ -406,8 +411,7 @@ def _drain_ack_round(side: Side) -> dict[str, Any]:
         released_after = time.monotonic() - aborted_at
         held_for = time.monotonic() - held_from
         written = landed(side.trace)
-        dropped = side.rejected(pair.decode) - dropped_before
-        dropped_so_far = side.rejected(pair.decode)
+        drops = side.drops_since(pair.decode, dropped_before)
         quarantined = quarantined_pages_by_room(pair.decode.log_text()).get(DRAIN_ROOM, 0)
     finally:
         side.trigger.parent.mkdir(parents=True, exist_ok=True)
@@ -420,7 +424,7 @@ def _drain_ack_round(side: Side) -> dict[str, Any]:
     return {"abort_status": abort_status, "abort_frames": len(abort.frames), "forged_acks": len(acks),
             "abort_notice_after_s": round(notice_after, 2), "write_held_at_check_s": round(held_for, 2),
             "before_acks": before, "after_acks": after, "released_after_abort_s": round(released_after, 2),
-            "written_at_acks": written, "dropped": dropped, "dropped_so_far": dropped_so_far,
+            "written_at_acks": written, **drops,
             "quarantined_pages": quarantined, "final": final,
             "decode_status": done["r"].decode.status if "r" in done else None}
 
@@ -481,7 +485,7 @@ def _copy_round(side: Side, backend: str) -> dict[str, Any]:
             "kv_bytes_at_attacker": side.attacker.ask(op="buffer", start=0, end=dest.kv_bytes)["nonzero_bytes"],
             "aux_bytes_at_attacker": side.attacker.ask(op="buffer", start=dest.kv_bytes)["nonzero_bytes"],
             "statuses_at_attacker": len(side.attacker.ask(op="inbox")["messages"]),
-            "dropped": side.rejected(pair.prefill) - dropped_before, "dropped_so_far": side.rejected(pair.prefill)}
+            **side.drops_since(pair.prefill, dropped_before)}
 
 
 @pytest.mark.proves("plugin", "zmq_auth")
@@ -510,8 +514,7 @@ def _hijack_round(side: Side) -> dict[str, Any]:
     time.sleep(SETTLE_S)
     after = pair.generate(_body(51, f"hijack-victim-{side.kind}"))
     return {"reference": reference, "after": after.decode.output_ids, "status": after.decode.status,
-            "prefill_status": after.prefill.status, "dropped": side.rejected(pair.prefill) - dropped_before,
-            "dropped_so_far": side.rejected(pair.prefill)}
+            "prefill_status": after.prefill.status, **side.drops_since(pair.prefill, dropped_before)}
 
 
 @pytest.mark.proves("plugin", "zmq_auth", "side_channels")
