@@ -16,12 +16,15 @@ node serves no PD request again), a forged AUX_DATA index makes decode write any
   every few seconds per reason, and dropped; the listener waits for the next one.
 - ``sign_socket`` (``CommonKVManager._connect``, ``CommonKVReceiver._connect``, ``MoriKVManager._connect_threadsafe``,
   the staging prefetch socket): every socket SGLang connects to a peer's rank port appends the auth frame.
+- ``guard_pp_store`` / ``sign_socket`` (0.5.22+, ``PPConsensusStore._init_zmq``): PP rank 0's status store, bound on
+  the same network-facing address, admits only signed messages; the other PP ranks' sockets sign.
 - ``returns_none_when_polled`` (``_make_worker_recv``'s poll branch, role switching): a refused message with
   nothing behind it reads as "nothing yet", so the loop still sees its stop flag.
 - ``restarting_listener`` (each backend's listener ``threading.Thread(target=...)``): a listener loop that raises
   is started again, instead of leaving the node deaf.
 - ``cap_sockets`` (``_send_multipart_locked``): past ``MAX_PEER_SOCKETS`` peer endpoints (an abort notice names any
-  address it likes) the least recently connected idle sockets are closed.
+  address it likes) the least recently connected idle sockets are closed; ``cap_thread_sockets`` (MORI's
+  ``_connect_threadsafe``, a cache per thread) closes a thread's oldest.
 
 The auth frame, the replay window, the sockets, the restarts and the wire rules are sglang-harden's own code
 (``guards/zmq_auth.py``, ``compat/zmq_sockets.py``, ``compat/zmq_listeners.py``, ``compat/backends/wire_rules.py``),
@@ -185,18 +188,27 @@ def _wire_rules(manager: Any, backend: str, role: str) -> Any:
         return None
 
 
-def guard_rank_port(manager: Any) -> None:
-    """The manager's rank port (``server_socket``, just bound, no listener yet) admits through an ``Inbox``."""
+def guard_rank_port(manager: Any, wire_rules: bool = True) -> None:
+    """The manager's rank port (``server_socket``, just bound, no listener yet) admits through an ``Inbox``.
+    ``wire_rules`` False (releases before 0.5.18, whose messages the rules do not describe): the auth frame only."""
     sock = getattr(manager, "server_socket", None)
     if sock is None or (AUTH_MODE is Mode.OFF and SIDE_MODE is Mode.OFF):
         return
     backend, role = _backend(manager), _role(manager)
     endpoint = canonical_endpoint(f"{manager.local_ip}:{manager.rank_port}")
-    make_verifying(sock, Inbox(endpoint, f"{role} {backend}", _wire_rules(manager, backend, role)))
+    rules = _wire_rules(manager, backend, role) if wire_rules else None
+    make_verifying(sock, Inbox(endpoint, f"{role} {backend}", rules))
     # said here, not only at import: releases import this module before their processes configure logging
     logger.log(logging.WARNING if AUTH_MODE is Mode.OFF else logging.INFO,
                "pd_side_channels: %s %s rank port %s: ZMQ auth %s, wire rules %s", role, backend, endpoint, status(),
-               SIDE_MODE.value)
+               SIDE_MODE.value if wire_rules else "none on this release")
+
+
+def guard_pp_store(sock: Any, host: str, port: int) -> None:
+    """PP rank 0's consensus-store socket (just bound, no worker yet) admits only signed messages (with a secret);
+    SGLang's own decoder judges their contents."""
+    if AUTH_MODE is not Mode.OFF:
+        make_verifying(sock, Inbox(canonical_endpoint(f"{host}:{port}"), "prefill pp-consensus"))
 
 
 def returns_none_when_polled(sock: Any) -> None:
@@ -214,6 +226,12 @@ def sign_socket(sock: Any, endpoint: str) -> None:
 def cap_sockets(manager: Any, endpoint: str) -> None:
     if SIDE_MODE is not Mode.OFF:
         cap_peer_sockets(manager, endpoint, MAX_PEER_SOCKETS)
+
+
+def cap_thread_sockets(cache: dict, endpoint: str) -> None:
+    """MORI's sockets to peers, one cache per thread: capped like the manager's."""
+    if SIDE_MODE is not Mode.OFF:
+        trim_thread_sockets(cache, endpoint, MAX_PEER_SOCKETS)
 
 
 def _restarted(name: str, exc: BaseException) -> None:

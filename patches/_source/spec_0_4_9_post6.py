@@ -15,6 +15,7 @@ This release answers a request the scheduler failed with status 500 as HTTP 200 
 become HTTP errors): ``answer-failed-requests-with-500`` makes every refusal above an HTTP 500."""
 
 from common_text import *  # noqa: F403
+from side_channels_text import early_side_channels_patch
 
 
 H_ADMISSION_049 = H_ADMISSION.replace(
@@ -443,4 +444,11 @@ PATCHES = [
     canary_patch_049(),
     lifecycle_patch_049(),
     digest_patch_049(),
+    early_side_channels_patch(
+        (MOONCAKE, "from sglang.srt.disaggregation.common import pd_auth, pd_rejections\n",
+         "from sglang.srt.disaggregation.common import pd_auth, pd_rejections, pd_side_channels\n"),
+        bind="        self.server_socket.bind(format_tcp_address(self.local_ip, self.rank_port))\n",
+        manager_rel=MOONCAKE,
+        listeners=[(MOONCAKE, "bootstrap_thread", ")"), (MOONCAKE, "decode_thread", ")")],
+        staging=False),
 ]

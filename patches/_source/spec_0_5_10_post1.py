@@ -30,6 +30,7 @@ control-plane authentication, no page tags, no canary, no KV digest). What diffe
   logging in any process and was lost: each KV manager logs it again (see common_text.AUTH_STATUS_AGAIN).
 """
 from common_text import *  # noqa: F403
+from side_channels_text import MORI as MORI_CONN, early_side_channels_patch
 import spec_0_5_19 as base
 
 COMMIT_0510 = "        # Case 3: Success - commit the transfer\n"
@@ -192,3 +193,12 @@ def lifecycle_patch_0510() -> tuple[str, str, list]:
 # version (lifecycle_patch_0510) takes that patch's place.
 PATCHES = [lifecycle_patch_0510() if name == "page-lifecycle" else _with_auth_status(_patch(name, header, list(edits)))
            for name, header, edits in base.UNGATED_PATCHES]
+PATCHES.append(early_side_channels_patch(
+    (CONN, "from sglang.srt.disaggregation.common import pd_auth, pd_rejections\n",
+     "from sglang.srt.disaggregation.common import pd_auth, pd_rejections, pd_side_channels\n"),
+    bind=("        self.rank_port, self.server_socket = get_zmq_socket_on_host(\n"
+          "            context, zmq.PULL, host=self.local_ip\n        )\n"),
+    manager_rel=CONN,
+    listeners=[(MOONCAKE, "bootstrap_thread", ")"), (MOONCAKE, "decode_thread", ")"), (NIXL, "bootstrap_thread", ")"),
+               (MORI_CONN, "bootstrap_worker", ", daemon=True)"), (MORI_CONN, "decode_worker", ", daemon=True)")],
+    staging=True))

@@ -62,8 +62,12 @@ SETUP_ROUTES = (CONN, "CommonKVBootstrapServer._setup_routes")
 BOOTSTRAP_SERVERS = ((CONN, "CommonKVBootstrapServer"), (MOONCAKE, "MooncakeKVBootstrapServer"))
 NOTE_ABORT_ACK = (CONN, "CommonKVManager.note_abort_ack")
 SEND_ABORT_NOTICE = (CONN, "CommonKVReceiver._send_abort_notification")  # decode's abort notice to prefill
-MANAGER_INIT = (CONN, "CommonKVManager.__init__")  # binds the rank port (the ZMQ side channels)
-RECEIVER_CONNECT = (CONN, "CommonKVReceiver._connect")  # decode's socket to a prefill rank port
+# where the rank port is bound (the ZMQ side channels), and decode's socket to a prefill rank port; 0.4.x's Mooncake
+# has its own manager and receiver classes
+RANK_PORT_BINDS = ((CONN, "CommonKVManager.__init__"), (MOONCAKE, "MooncakeKVManager._bind_server_socket"))
+RECEIVER_CONNECTS = ((CONN, "CommonKVReceiver._connect"), (MOONCAKE, "MooncakeKVReceiver._connect"))
+SIDE_CHANNELS_BACKPORT = f"{PD}.common.pd_side_channels"  # the backport series' module
+PP_CONSENSUS = f"{PD}.pp_consensus_store"  # 0.5.22+: PP rank 0's status store, fed over ZMQ by the other PP ranks
 SET_FINISH_WITH_ABORT = (SCHEDULE_BATCH, "Req.set_finish_with_abort")
 # where SGLang polls every KV receiver before the polls are all-reduced across decode's TP ranks (0.5.19+)
 POLL_RECEIVERS = (UTILS, "_poll_with_failure_injection")

@@ -8,9 +8,13 @@ address, and every frame that reaches it was trusted until now.
   and strips the auth frame (``guards/zmq_auth.py``). Modes: ``enforce`` drops what is not signed by a holder;
   ``log`` counts and serves it; with ``--harden-zmq-sign 0`` nothing is signed (the first step of a rollout,
   when peers may not understand the frame yet).
+- The PP consensus store (0.5.22+, prefill with ``--pp-size`` > 1): PP rank 0 binds a PULL socket on the same
+  network-facing address, where the other PP ranks replicate each room's status; it verifies like a rank port (no
+  wire rules: SGLang's own decoder drops what it cannot read) and the other ranks' sockets sign.
 - ``side_channels`` (on by default, secret or not): the rank port admits only what its backend's listener can
   read and what the sender may say (``backends/wire_rules.py``); a listener thread that raises anyway is started
-  again; the manager's sockets to peers are capped (least recently connected closed first).
+  again; the manager's sockets to peers are capped (least recently connected closed first), and so are MORI's per
+  thread.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Any
 
 from sglang_harden import events
 from sglang_harden.compat.hooks import Hook
-from sglang_harden.compat.internals import CONN, MORI, STAGING_HANDLER
+from sglang_harden.compat.internals import CONN, MORI, PP_CONSENSUS, STAGING_HANDLER
 from sglang_harden.compat.runtime import RUNTIME
-from sglang_harden.compat.zmq_listeners import cap_peer_sockets
+from sglang_harden.compat.zmq_listeners import cap_peer_sockets, trim_thread_sockets
 from sglang_harden.compat.zmq_listeners import listeners_restart as install_restarts
 from sglang_harden.config import Mode
 from sglang_harden.guards.base import Decision, Verdict
@@ -121,6 +125,20 @@ def cap_manager_sockets(original: Func) -> Func:
     return connect
 
 
+def cap_thread_sockets(original: Func) -> Func:
+    """Wrap ``MoriKVManager._connect_threadsafe`` (MORI's socket per peer endpoint, a cache per thread): past
+    ``MAX_PEER_SOCKETS`` endpoints in the calling thread's cache, its oldest sockets are closed."""
+
+    def connect(self: Any, endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        sock = original(self, endpoint, *args, **kwargs)
+        cache = getattr(getattr(self, "_socket_local", None), "socket_cache", None)
+        if isinstance(cache, dict):
+            trim_thread_sockets(cache, endpoint, MAX_PEER_SOCKETS)
+        return sock
+
+    return connect
+
+
 def sign_receiver_socket(original: Func) -> Func:
     """Wrap ``CommonKVReceiver._connect`` (decode's socket per prefill rank port, shared by its receivers)."""
 
@@ -145,6 +163,34 @@ def sign_thread_socket(original: Func) -> Func:
         return sock
 
     return connect
+
+
+def _bound_endpoint(sock: Any) -> str:
+    import zmq
+
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def guard_pp_store(original: Func) -> Func:
+    """Wrap ``PPConsensusStore._init_zmq`` (before the store's worker thread starts): PP rank 0's socket admits only
+    signed messages, the other ranks' sockets sign (the destination is the endpoint they connected to)."""
+
+    def init_zmq(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        from sglang_harden.compat.zmq_sockets import Inbox, make_signing, make_verifying
+
+        sock = getattr(self, "_socket", None)
+        if sock is None:
+            return result
+        endpoint = _bound_endpoint(sock)
+        if getattr(self, "_pp_rank", 0) == 0:
+            make_verifying(sock, Inbox(canonical_endpoint(endpoint), "prefill pp-consensus"))
+        else:
+            make_signing(sock, endpoint)
+        return result
+
+    return init_zmq
 
 
 class _SigningSockets(dict):
@@ -203,5 +249,7 @@ HOOKS: list[Hook] = [
     Hook(AUTH, CONN, "CommonKVManager._connect", ("self", "endpoint"), sign_manager_socket),
     Hook(AUTH, CONN, "CommonKVReceiver._connect", ("cls", "endpoint"), sign_receiver_socket),
     Hook(AUTH, MORI, "MoriKVManager._connect_threadsafe", ("self", "endpoint"), sign_thread_socket),
+    Hook(SIDE, MORI, "MoriKVManager._connect_threadsafe", ("self", "endpoint"), cap_thread_sockets),
     Hook(AUTH, STAGING_HANDLER, "prefetch_staging_reqs", STAGING_PARAMS, sign_staging_sockets, optional=True),
+    Hook(AUTH, PP_CONSENSUS, "PPConsensusStore._init_zmq", ("self",), guard_pp_store, optional=True),
 ]

@@ -115,3 +115,13 @@ def cap_peer_sockets(manager: Any, keep: str, limit: int) -> None:
     logger.info("sglang-harden: closed peer sockets past %d on %s", limit, type(manager).__name__)
 
 
+
+
+def trim_thread_sockets(cache: dict[str, Any], keep: str, limit: int) -> None:
+    """One thread's own sockets to peers (MORI keeps a cache per thread, used by that thread alone, so no lock):
+    past ``limit`` endpoints the oldest are closed, never ``keep``."""
+    while len(cache) > limit:
+        oldest = next((endpoint for endpoint in cache if endpoint != keep), None)
+        if oldest is None:
+            return
+        cache.pop(oldest).close(linger=0)

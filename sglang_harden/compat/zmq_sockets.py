@@ -114,14 +114,22 @@ class Inbox:
 class VerifyingSocket(zmq.Socket):
     """A rank port (PULL): ``recv_multipart`` returns the next admitted message; a message the inbox refuses is
     never returned. Where the caller polls before each receive (``returns_none``), a refusal with nothing more
-    queued returns None (the caller's "nothing yet") instead of blocking past its timeout."""
+    queued returns None (the caller's "nothing yet") instead of blocking past its timeout. ``recv`` (a reader of
+    one-frame messages: the PP consensus store) returns the admitted message's first frame, as bytes."""
 
     _sgh_inbox: Inbox | None = None
     _sgh_returns_none: bool = False
 
+    def _frames(self, flags: int, track: bool) -> list[bytes]:
+        # zmq.Socket.recv by name: pyzmq's own recv_multipart calls self.recv, which this class overrides
+        parts = [zmq.Socket.recv(self, flags, copy=True, track=track)]
+        while self.getsockopt(zmq.RCVMORE):
+            parts.append(zmq.Socket.recv(self, flags, copy=True, track=track))
+        return parts
+
     def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
         while True:
-            frames = super().recv_multipart(flags, copy=True, track=track)
+            frames = self._frames(flags, track)
             inbox = self._sgh_inbox
             admitted = inbox.admit(frames) if inbox is not None else frames
             if admitted is not None:
@@ -131,21 +139,46 @@ class VerifyingSocket(zmq.Socket):
             if self._sgh_returns_none and not self.poll(0):
                 return None
 
+    def recv(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        admitted = self.recv_multipart(flags, copy=copy, track=track)
+        return admitted if admitted is None else (admitted[0] if admitted else b"")
+
 
 class SigningSocket(zmq.Socket):
     """A socket to a peer's rank port (PUSH): what it sends carries the auth frame for ``_sgh_destination``
-    while signing is on."""
+    while signing is on; a one-frame ``send`` (the PP consensus store's) too."""
 
     _sgh_destination: str = ""
+    _sgh_multipart = False  # send_multipart under way: pyzmq sends each of its parts through self.send
+    _sgh_partial = False  # a caller's part sent with SNDMORE: the message's last part goes out as it is
+
+    def _auth(self, parts: list[bytes]) -> bytes | None:
+        state = auth_state()
+        if state is not None and state.sign and state.mode is not Mode.OFF and self._sgh_destination:
+            return SIGNER.sign(state.keyring, parts, self._sgh_destination)
+        return None
 
     def send_multipart(self, msg_parts: Sequence[Any], flags: int = 0, copy: bool = True, track: bool = False,
                        **kwargs: Any) -> Any:
-        state = auth_state()
-        if state is not None and state.sign and state.mode is not Mode.OFF and self._sgh_destination:
-            parts = [as_bytes(part) for part in msg_parts]
-            parts.append(SIGNER.sign(state.keyring, parts, self._sgh_destination))
-            msg_parts = parts
-        return super().send_multipart(msg_parts, flags=flags, copy=copy, track=track, **kwargs)
+        auth = self._auth([as_bytes(part) for part in msg_parts])
+        if auth is not None:
+            msg_parts = [*(as_bytes(part) for part in msg_parts), auth]
+        self._sgh_multipart = True
+        try:
+            return super().send_multipart(msg_parts, flags=flags, copy=copy, track=track, **kwargs)
+        finally:
+            self._sgh_multipart = False
+
+    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False, **kwargs: Any) -> Any:
+        if self._sgh_multipart or flags & zmq.SNDMORE or self._sgh_partial:
+            self._sgh_partial = bool(flags & zmq.SNDMORE) and not self._sgh_multipart
+            return super().send(data, flags, copy=copy, track=track, **kwargs)
+        frame = as_bytes(data)
+        auth = self._auth([frame])
+        if auth is None:
+            return super().send(data, flags, copy=copy, track=track, **kwargs)
+        super().send(frame, flags | zmq.SNDMORE, copy=copy, track=track)
+        return super().send(auth, flags, copy=copy, track=track)
 
 
 def make_verifying(sock: Any, inbox: Inbox) -> None:

@@ -200,6 +200,13 @@ def synchronize(device: object = None) -> None:
     land_everything("device_sync")
 
 
+def device_synchronize(device: object = None) -> None:
+    """The device module's ``synchronize`` (``torch.cpu.synchronize``): ``torch.cuda.synchronize``'s twin as a
+    function of its own. torch.compile keeps one handler per synchronize function and refuses to register the same
+    function twice (0.4.x compiles the overlap worker's code: every first request failed on that)."""
+    synchronize(device)
+
+
 def land_everything(why: str) -> None:
     with LOCK:
         for s in list(_STREAMS):
@@ -346,7 +353,7 @@ def install_device_module(module: Any = None) -> None:
             return
         for name in DEVICE_MODULE_NAMES:
             _device_module_saved.append((module, name, getattr(module, name)))
-            setattr(module, name, _REPLACEMENTS[name])
+            setattr(module, name, device_synchronize if name == "synchronize" else _REPLACEMENTS[name])
 
 
 def uninstall_device_module() -> None:

@@ -5,11 +5,14 @@
 ``TREE`` holds only the files a backport series touches (patched; ``-``: the venv's own SGLang, vanilla). A
 ``MooncakeKVManager`` is built without its ``__init__`` (no transfer engine, no bootstrap server): its rank port is
 bound by SGLang's ``get_zmq_socket_on_host`` on loopback and, patched, handed to ``pd_side_channels.guard_rank_port``
-(the call the series puts right after that bind); then SGLang's own ``start_prefill_thread`` runs the real listener
-loop (started, patched, under ``restarting_listener``). Decode's side is SGLang's ``CommonKVReceiver._connect``
-(signing, patched). Every observation is read from the manager's own ``decode_kv_args_table`` after a marker
-registration sent behind the message under test was processed (one listener thread, in order: no sleeps), and is
-printed as one JSON line.
+(the call the series puts right after that bind; on 0.4.x SGLang's own ``start_prefill_thread`` binds it, through
+the patched ``_bind_server_socket``); then SGLang's own ``start_prefill_thread`` runs the real listener loop
+(started, patched, under ``restarting_listener``). Decode's side is SGLang's ``MooncakeKVReceiver._connect``
+(signing, patched). Releases before 0.5.18 ("early": no ``_send_multipart_locked``) have no wire rules in their
+series and no socket cache to cap; their registration has no state frame on 0.4.x, and the page-lifecycle patch's own
+drain acknowledgement (``SGH_ABORT_ACK``) is checked for its auth frame too. Every observation is read from the
+manager's own ``decode_kv_args_table`` after a marker registration sent behind the message under test was processed
+(one listener thread, in order: no sleeps), and is printed as one JSON line.
 
 Cases: a signed registration; an unsigned one; a captured signed registration replayed after the victim registered
 again; a malformed message and a handler that raises, then a good registration; a message signed by sglang-harden's
@@ -29,16 +32,19 @@ import types
 from pathlib import Path
 from typing import Any
 
+from sglang_harden.compat.internals import SIDE_CHANNELS_BACKPORT
 from sglang_harden.testbed.patched_bootstrap import PatchedFiles
 
 HOST = "127.0.0.1"
 WAIT_S = 10.0
+SIDE = SIDE_CHANNELS_BACKPORT
 
 
-def registration(session: str, ptr: int) -> list[bytes]:
-    """A minimal Mooncake decode registration (frames 10+ take their defaults)."""
-    return [b"None", HOST.encode(), b"40001", session.encode(), struct.pack("Q", ptr), struct.pack("Q", 0x1000), b"",
-            b"0", b"1", b"4096"]
+def registration(session: str, ptr: int, state_frame: bool = True) -> list[bytes]:
+    """A minimal Mooncake decode registration (frames 10+ take their defaults; 0.4.x has no state frame)."""
+    state = [b""] if state_frame else []
+    return [b"None", HOST.encode(), b"40001", session.encode(), struct.pack("Q", ptr), struct.pack("Q", 0x1000),
+            *state, b"0", b"1", b"4096"]
 
 
 class _Table(dict):
@@ -65,9 +71,14 @@ class Prefill:
         m._zmq_ctx = zmq.Context()
         m.local_ip = HOST
         m.disaggregation_mode = DisaggregationMode.PREFILL
-        m.rank_port, m.server_socket = conn.get_zmq_socket_on_host(m._zmq_ctx, zmq.PULL, host=HOST)
-        if patched:
-            conn.pd_side_channels.guard_rank_port(m)  # what the series does right after this bind
+        self.binds_itself = hasattr(mooncake.MooncakeKVManager, "_bind_server_socket")  # 0.4.x
+        self.early = not hasattr(mooncake.MooncakeKVManager, "_send_multipart_locked")
+        if self.binds_itself:
+            m.server_socket = zmq.Context().socket(zmq.PULL)
+        else:
+            m.rank_port, m.server_socket = conn.get_zmq_socket_on_host(m._zmq_ctx, zmq.PULL, host=HOST)
+            if patched:  # what the series does right after this bind
+                sys.modules[SIDE].guard_rank_port(m, wire_rules=not self.early)
         m._stopped = False
         m.deferred_bootstrap = None
         m.server_args = types.SimpleNamespace(enable_pd_role_switch=role_switch)
@@ -85,8 +96,15 @@ class Prefill:
         m._socket_cache, m._monitor_cache, m._socket_send_locks = {}, {}, {}
         m._socket_lock = threading.Lock()
         m.requires_dcp_relayout = lambda *args: False
+        m.kv_args = types.SimpleNamespace(engine_rank=0)
         self.manager = m
-        self.endpoint = f"tcp://{HOST}:{m.rank_port}"
+
+    def start(self) -> None:
+        self.manager.start_prefill_thread()  # 0.4.x: binds the rank port first
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{HOST}:{self.manager.rank_port}"
 
     def ptr(self, session: str) -> int | None:
         info = self.manager.decode_kv_args_table.get(session)
@@ -101,21 +119,26 @@ class Run:
         from sglang.srt.disaggregation.common import conn
         from sglang.srt.disaggregation.mooncake import conn as mooncake
 
-        self.zmq, self.conn = zmq, conn
-        self.patched = hasattr(conn, "pd_side_channels")
+        self.zmq, self.conn, self.mooncake = zmq, conn, mooncake
+        self.side = sys.modules.get(SIDE)
+        self.patched = self.side is not None
         self.deaths: list[str] = []
         threading.excepthook = lambda args: self.deaths.append(type(args.exc_value).__name__)
         self.prefill = Prefill(conn, mooncake, self.patched, role_switch)
+        self.early = self.prefill.early
+        self.prefill.start()
         self.raw_ctx = zmq.Context()
         self.raw = self.raw_ctx.socket(zmq.PUSH)  # an outsider's socket: sends what it is given, unsigned
         self.raw.connect(self.prefill.endpoint)
         self.markers, self.alive, self.last_raw = 0, True, False
         self.secret = Path(os.environ["SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"]).read_text().splitlines()[0]
-        self.prefill.manager.start_prefill_thread()
+
+    def registration(self, session: str, ptr: int) -> list[bytes]:
+        return registration(session, ptr, state_frame=not self.prefill.binds_itself)
 
     def signed(self, frames: list[bytes]) -> None:
-        """Decode's socket to this prefill rank (``CommonKVReceiver._connect``: signing, patched)."""
-        sock, lock = self.conn.CommonKVReceiver._connect(self.prefill.endpoint)
+        """Decode's socket to this prefill rank (the receiver's ``_connect``: signing, patched)."""
+        sock, lock = self.mooncake.MooncakeKVReceiver._connect(self.prefill.endpoint)
         with lock:
             sock.send_multipart(frames)
 
@@ -130,7 +153,7 @@ class Run:
         """Send a signed marker registration behind what was sent; True once the listener processed it."""
         self.markers += 1
         session = f"{HOST}:{19000 + self.markers}"
-        marker = registration(session, 0x5000 + self.markers)
+        marker = self.registration(session, 0x5000 + self.markers)
         # on the connection the message under test took: a PULL socket orders messages per connection only
         if self.last_raw:
             self.raw.send_multipart(plugin_signed(marker, self.prefill.endpoint, self.secret) if self.patched
@@ -153,7 +176,7 @@ class Run:
         push = self.raw_ctx.socket(self.zmq.PUSH)
         push.connect(f"tcp://{HOST}:{port}")
         if self.patched:
-            self.conn.pd_side_channels.sign_socket(push, self.prefill.endpoint)
+            self.side.sign_socket(push, self.prefill.endpoint)
         push.send_multipart(frames)
         wire = tap.recv_multipart()
         push.close(linger=0)
@@ -174,23 +197,32 @@ def plugin_signed(frames: list[bytes], destination: str, secret: str) -> list[by
 
 
 def plugin_verdicts(run: Run, secret: str) -> dict[str, Any]:
-    """What the plugin's verifier says of the frames the patched manager's and receiver's sockets send."""
+    """What the plugin's verifier says of the frames the patched manager's and receiver's sockets send (early
+    releases: and of the page-lifecycle patch's drain acknowledgement)."""
     from sglang_harden.guards.bootstrap_auth import parse_secrets
     from sglang_harden.guards.zmq_auth import ReplayWindow, split, verify
 
     zmq, out = run.zmq, {}
     tap = run.raw_ctx.socket(zmq.PULL)
     tap_endpoint = f"tcp://{HOST}:{tap.bind_to_random_port(f'tcp://{HOST}')}"
-    run.prefill.manager._send_multipart_locked(tap_endpoint, [b"ABORT_ACK", b"7"])
-    sock, lock = run.conn.CommonKVReceiver._connect(tap_endpoint)
+    manager = run.prefill.manager
+    if run.early:
+        manager._connect(tap_endpoint).send_multipart([b"ABORT_ACK", b"7"])
+        from sglang.srt.mem_cache import pd_lifecycle
+
+        pd_lifecycle._send_ack_frames(manager, 7, HOST, int(tap_endpoint.rsplit(":", 1)[1]))
+    else:
+        manager._send_multipart_locked(tap_endpoint, [b"ABORT_ACK", b"7"])
+    sock, lock = run.mooncake.MooncakeKVReceiver._connect(tap_endpoint)
     with lock:
         sock.send_multipart([b"ABORT", b"7"])
     window = ReplayWindow(125.0)
-    for _ in range(2):  # two sockets: either may arrive first
+    names = {b"ABORT_ACK": "manager", b"ABORT": "receiver", b"SGH_ABORT_ACK": "lifecycle ack"}
+    for _ in range(3 if run.early else 2):  # one socket each: any may arrive first
         own, auth = split(tap.recv_multipart())
         decision, _ = verify(parse_secrets(secret), own, auth, tap_endpoint, window)
         tampered, _ = verify(parse_secrets(secret), [*own[:-1], b"8"], auth, tap_endpoint, ReplayWindow(125.0))
-        who = "manager" if own[0] == b"ABORT_ACK" else "receiver"
+        who = names[own[0]]
         out[who] = {"frames": [f.decode() for f in own], "signed": auth is not None,
                     "verdict": decision.verdict.value, "tampered": tampered.verdict.value}
     tap.close(linger=0)
@@ -201,6 +233,7 @@ def main(tree: str, role_switch: bool) -> dict[str, Any]:
     secret = Path(os.environ["SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE"]).read_text().splitlines()[0]
     run = Run(tree, role_switch)
     p = run.prefill
+    registration = run.registration
     cases = [run.case("signed registration", registration(f"{HOST}:15001", 0xA000), signed=True),
              run.case("unsigned registration", registration(f"{HOST}:15002", 0xB000), signed=False)]
     victim = f"{HOST}:15003"
@@ -224,13 +257,16 @@ def main(tree: str, role_switch: bool) -> dict[str, Any]:
             run.raw_sent(frames)
             cases.append({"case": name, "listener_alive": run.processed(), "ptr": p.ptr(f"{HOST}:{session}")})
         interop = plugin_verdicts(run, secret)
-        run.conn.pd_side_channels.MAX_PEER_SOCKETS = 3
-    for port in range(8):
-        p.manager._send_multipart_locked(f"tcp://{HOST}:{1 + port}", [b"x"])
-    counts = ({f"{g}/{v}": n for (g, v), n in run.conn.pd_side_channels.COUNTS.items()} if run.patched else {})
-    return {"patched": run.patched, "cases": cases, "deaths": run.deaths, "interop": interop,
-            "peer_sockets": len(p.manager._socket_cache), "counts": counts,
-            "status": run.conn.pd_side_channels.status() if run.patched else "vanilla"}
+        run.side.MAX_PEER_SOCKETS = 3
+    peer_sockets = None  # early releases keep no socket cache to cap (0.4.x: a socket per send)
+    if not run.early:
+        for port in range(8):
+            p.manager._send_multipart_locked(f"tcp://{HOST}:{1 + port}", [b"x"])
+        peer_sockets = len(p.manager._socket_cache)
+    counts = ({f"{g}/{v}": n for (g, v), n in run.side.COUNTS.items()} if run.patched else {})
+    return {"patched": run.patched, "early": run.early, "cases": cases, "deaths": run.deaths, "interop": interop,
+            "peer_sockets": peer_sockets, "counts": counts,
+            "status": run.side.status() if run.patched else "vanilla"}
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ class PDPair:
 
     def stop(self, term_timeout: float = 10.0) -> None:
         """Stop the router and both servers (their groups are signalled together)."""
-        _stop_all([p for p in (self.router, self.prefill, self.decode) if p is not None], term_timeout)
+        stop_together([p for p in (self.router, self.prefill, self.decode) if p is not None], term_timeout)
 
     def wait_quiesced(self, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Both allocators back to full capacity (each polled up to ``timeout``): ``{role: pool numbers}``."""
@@ -249,7 +249,7 @@ class PDFleet:
         return self
 
     def stop(self, term_timeout: float = 10.0) -> None:
-        _stop_all(self.parts(), term_timeout)
+        stop_together(self.parts(), term_timeout)
 
     def __enter__(self) -> PDFleet:
         return self.start()
@@ -279,8 +279,9 @@ def _wait_all(servers: Sequence[Server], on_ready: Callable[[Server], None] | No
         raise errors[0]
 
 
-def _stop_all(parts: Sequence[_Process], term_timeout: float) -> None:
-    """Signal the process groups of every started part together; raise if one survives SIGKILL."""
+def stop_together(parts: Sequence[_Process], term_timeout: float = 10.0) -> None:
+    """Signal the process groups of every started part together (each SGLang server waits seconds after SIGTERM:
+    one after another, a module's pairs took tens of seconds to stop); raise if one survives SIGKILL."""
     started = [p for p in parts if p.proc is not None]
     left = procs.kill_groups([p.proc.pid for p in started], term_timeout=term_timeout)
     for part in started:

@@ -17,6 +17,10 @@ Mooncake's frames (decode to prefill, 0.5.19 .. 0.5.23; ``/work/notes`` research
 - abort ``[b"ABORT", room, decode_ip, decode_port(, generation)]`` and, back from prefill, the drain ack
   ``[b"ABORT_ACK", room, prefill_rank(, generation)]`` (the generation from 0.5.22 on).
 
+Before 0.5.18 (0.4.x, 0.5.10.post1) SGLang has neither: a patched tree's page-lifecycle patch sends its own
+``[b"SGH_ABORT", room, decode_ip, decode_port]`` and ``[b"SGH_ABORT_ACK", room, prefill_rank]``. 0.4.x's registration
+has no state frame (9 frames, the item length last) and its transfer info ends at ``required_dst_info_num`` (frame 6).
+
 NIXL's registrations and transfer infos start with a guard frame (``NixlMsgGuard``); after it, a registration is
 ``[b"None", ip, port, agent_name, agent_metadata, kv_ptrs Q*, aux_ptrs Q*, state_ptrs, gpu_id, tp_size, tp_rank,
 kv_item_len, ..., dst_num_slots (16), kv_mem_kinds (17), kv_item_lens Q* (18), ...]`` (the first registration
@@ -42,6 +46,10 @@ LOOPBACK = "127.0.0.1"
 REGISTRATION = b"None"
 ABORT = b"ABORT"
 ABORT_ACK = b"ABORT_ACK"
+OWN_ABORT = b"SGH_ABORT"  # the page-lifecycle patch's, before 0.5.18
+OWN_ABORT_ACK = b"SGH_ABORT_ACK"
+REGISTRATION_049_FRAMES = 9
+TRANSFER_INFO_049_FRAMES = 7
 NIXL_GUARD = b"NixlMsgGuard"
 
 Frames = Sequence[bytes]
@@ -113,7 +121,7 @@ def _unguarded(frames: Frames) -> Frames:
 
 def is_registration(frames: Frames) -> bool:
     own = _unguarded(frames)
-    return len(own) > 9 and own[0] == REGISTRATION
+    return len(own) >= REGISTRATION_049_FRAMES and own[0] == REGISTRATION
 
 
 def is_transfer_info(room: int) -> Callable[[Frames], bool]:
@@ -121,7 +129,7 @@ def is_transfer_info(room: int) -> Callable[[Frames], bool]:
 
 
 def is_abort(room: int) -> Callable[[Frames], bool]:
-    return lambda frames: len(frames) >= 2 and frames[0] == ABORT and frames[1] == str(room).encode()
+    return lambda frames: len(frames) >= 2 and frames[0] in (ABORT, OWN_ABORT) and frames[1] == str(room).encode()
 
 
 def _unpack(frame: bytes, code: str) -> list[int]:
@@ -149,6 +157,8 @@ class Layout:
             per_entry = _unpack(own[18], "Q") if len(own) > 18 and own[18] else [int(own[11])] * entries
             return cls(tuple(per_entry), len(own[6]) // 8)
         entries = len(registration[4]) // 8
+        if len(registration) == REGISTRATION_049_FRAMES:  # 0.4.x: no state frame, one length for every buffer
+            return cls((int(registration[8]),) * entries, len(registration[5]) // 8)
         per_entry = _unpack(registration[19], "Q") if len(registration) > 19 else []
         if len(per_entry) != entries:  # before 0.5.23: one length for every buffer (frame 9)
             per_entry = [int(registration[9])] * entries
@@ -212,7 +222,8 @@ def copy_transfer_info(victim: Frames, dest: Destination, status_port: int) -> l
     frames[1:4] = [LOOPBACK.encode(), str(status_port).encode(), dest.session.encode()]
     frames[4] = _pack(range(dest.pages), "i")
     frames[5] = b"0"
-    frames[7] = str(int(victim[7]) + 1).encode()
+    required = 6 if len(victim) == TRANSFER_INFO_049_FRAMES else 7
+    frames[required] = str(int(victim[required]) + 1).encode()
     if len(frames) > 9 and frames[9]:
         frames[9] = _pack(range(dest.pages), "i")
     return frames
@@ -249,7 +260,10 @@ def pages_of(transfer_info: Frames) -> int:
 def forged_drain_acks(room: int, abort: Frames, ranks: Iterable[int] = (0, 1),
                       generations: Iterable[int] = range(1, 9)) -> list[list[bytes]]:
     """Drain acks for ``room`` from each rank in ``ranks``: with a generation (each of ``generations`` and the one
-    the sniffed ``abort`` carried) where decode's abort carries one (0.5.22+), else without."""
+    the sniffed ``abort`` carried) where decode's abort carries one (0.5.22+), else without; the page-lifecycle
+    patch's own ack where the abort is its own (before 0.5.18)."""
+    if abort and abort[0] == OWN_ABORT:
+        return [[OWN_ABORT_ACK, str(room).encode(), str(rank).encode()] for rank in ranks]
     head = [ABORT_ACK, str(room).encode()]
     if len(abort) < 5:
         return [[*head, str(rank).encode()] for rank in ranks]

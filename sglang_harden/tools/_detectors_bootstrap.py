@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from sglang_harden.compat.internals import BOOTSTRAP_SERVERS, MANAGER_INIT, RECEIVER_CONNECT
+from sglang_harden.compat.internals import BOOTSTRAP_SERVERS, RANK_PORT_BINDS, RECEIVER_CONNECTS
 from sglang_harden.tools._detect_base import (
     CONN,
     NO,
@@ -132,14 +132,24 @@ def _module_call(ref: FuncRef, module_name: re.Pattern[str]) -> str | None:
     return None
 
 
+def _first_found(tree: SourceTree, places: tuple[tuple[str, str], ...]) -> FuncRef | None:
+    """The first of ``places`` this tree has (the ZMQ side channels sit in different classes across releases)."""
+    for module, name in places:
+        found = tree.function(module, name)
+        if found is not None:
+            return found
+    return None
+
+
 def detect_zmq_auth(tree: SourceTree) -> Native:
     """The KV manager's rank port admits only authenticated messages and decode's sockets to it sign: the
     backport's ``pd_side_channels`` calls in ``CommonKVManager.__init__`` (after the bind) and
-    ``CommonKVReceiver._connect``. No SGLang release authenticates these messages."""
-    init = tree.function(*MANAGER_INIT)
+    ``CommonKVReceiver._connect`` (0.4.x: Mooncake's ``_bind_server_socket`` and its receiver's ``_connect``). No
+    SGLang release authenticates these messages."""
+    init = _first_found(tree, RANK_PORT_BINDS)
     if init is None:
-        return Native(UNKNOWN, f"{MANAGER_INIT[1]} not found")
-    receiver = tree.function(*RECEIVER_CONNECT)
+        return Native(UNKNOWN, f"none of {', '.join(name for _, name in RANK_PORT_BINDS)} found")
+    receiver = _first_found(tree, RECEIVER_CONNECTS)
     guard = _module_call(init, _SIDE_RE)
     sign = _module_call(receiver, _SIDE_RE) if receiver is not None else None
     if guard is not None and sign is not None:

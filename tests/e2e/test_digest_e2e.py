@@ -36,7 +36,7 @@ from sglang_harden.compat import SUPPORTED_PINS
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import IncidentSetup, tenant_a_prompt, tenant_b_prompt
-from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.pd_topology import PDPair, stop_together
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
 
 pytestmark = pytest.mark.e2e
@@ -85,8 +85,7 @@ def pairs(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
             started[kind] = _start(version, backend, kind == "hardened", log_dir)
         yield started
     finally:
-        for pair in started.values():
-            pair.stop()
+        stop_together([part for pair in started.values() for part in pair.parts()])
 
 
 def _start(pin: str, backend: str, hardened: bool, log_dir: Path) -> PDPair:

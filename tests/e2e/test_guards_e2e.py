@@ -48,7 +48,7 @@ from sglang_harden.testbed.jsonl import read_folder
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
 from sglang_harden.testbed.latewrite_trace import late_writes
 from sglang_harden.testbed.patched_bootstrap import registration
-from sglang_harden.testbed.pd_topology import PDPair
+from sglang_harden.testbed.pd_topology import PDPair, stop_together
 from sglang_harden.testbed.server import Server
 from sglang_harden.testbed.soak_requests import ROUTE_TABLE_QUERY
 from sglang_harden.testbed.tools_cli import pair_args, probe_results, run_tool
@@ -133,8 +133,7 @@ def pairs(pin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PairFa
     try:
         yield get
     finally:
-        for pair in started.values():
-            pair.stop()
+        stop_together([part for pair in started.values() for part in pair.parts()])
 
 
 def _group(kind: str) -> str:

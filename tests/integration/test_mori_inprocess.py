@@ -128,6 +128,35 @@ def test_mori_hooks_in_place(conn: Any) -> None:
     assert all(is_in_place(hook) for hook in mori_backend.HOOKS)
 
 
+def test_a_threads_peer_sockets_are_capped(conn: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MORI keeps a socket per peer endpoint in each thread (an abort notice names any endpoint it likes): SGLang's
+    own ``_connect_threadsafe`` keeps every one; with the side_channels hook the thread's oldest are closed past the
+    cap (here 3; 1,024 in service). Loopback ports nobody listens on: connecting sends nothing."""
+    import inspect
+
+    import zmq
+
+    from sglang_harden.compat import zmq_channels
+
+    monkeypatch.setattr(zmq_channels, "MAX_PEER_SOCKETS", 3)
+    hooked = conn.MoriKVManager._connect_threadsafe
+    kept = {}
+    for name, connect in (("vanilla", inspect.unwrap(hooked)), ("hardened", hooked)):
+        manager = conn.MoriKVManager.__new__(conn.MoriKVManager)
+        manager._zmq_ctx, manager._socket_local = zmq.Context(), threading.local()
+        try:
+            for port in range(1, 9):
+                connect(manager, f"tcp://127.0.0.1:{port}")
+            cache = manager._socket_local.socket_cache
+            kept[name] = sorted(cache)
+        finally:
+            for sock in cache.values():
+                sock.close(linger=0)
+            manager._zmq_ctx.term()
+    assert len(kept["vanilla"]) == 8, kept
+    assert kept["hardened"] == [f"tcp://127.0.0.1:{port}" for port in (6, 7, 8)], kept
+
+
 # ---------------------------------------------------------------- prefill
 
 

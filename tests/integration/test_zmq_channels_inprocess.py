@@ -22,12 +22,13 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from sglang_harden import events  # noqa: E402
-from sglang_harden.compat import control_auth, zmq_channels, zmq_listeners  # noqa: E402
+from sglang_harden.compat import zmq_channels, zmq_listeners  # noqa: E402
 from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
 from sglang_harden.compat.zmq_sockets import Inbox, make_signing, make_verifying  # noqa: E402
 from sglang_harden.config import HardenConfig, Mode  # noqa: E402
 from sglang_harden.guards.bootstrap_auth import MIN_SECRET_CHARS, parse_secrets  # noqa: E402
 from sglang_harden.guards.zmq_auth import Signer  # noqa: E402
+from sglang_harden.testbed.plugin_config import secret_in_force, write_secret  # noqa: E402
 
 SECRET = "z" * MIN_SECRET_CHARS
 
@@ -44,18 +45,8 @@ class Refuse:
 
 @pytest.fixture
 def configured(tmp_path: Path) -> Iterator[None]:
-    secret = tmp_path / "secret"
-    secret.write_text(SECRET + "\n")
-    secret.chmod(0o600)
-    saved = RUNTIME.config
-    RUNTIME.config = HardenConfig(bootstrap_secret_file=str(secret))
-    control_auth._cache.clear()
-    events.reset_for_tests()
-    try:
+    with secret_in_force(write_secret(tmp_path / "secret", SECRET)):
         yield
-    finally:
-        RUNTIME.config = saved
-        control_auth._cache.clear()
 
 
 def _mode(**changes: Any) -> None:

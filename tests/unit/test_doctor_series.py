@@ -57,17 +57,15 @@ def test_doctor_recognises_the_series_control_plane_authentication(pin: str, tmp
 
 @pytest.mark.parametrize("pin", PINS)
 def test_doctor_recognises_the_series_side_channel_authentication(pin: str, tmp_path: Path) -> None:
-    """A series with the side-channel patch authenticates the rank ports once a secret file is named (opt-in); one
-    without it (0.4.x, 0.5.10.post1), and every pristine tree, does not."""
+    """Every series has the side-channel patch (0.4.x: in Mooncake's own manager and receiver): the rank ports
+    authenticate once a secret file is named (opt-in); no pristine tree does."""
     patched = make_tree(pin, tmp_path / "patched")
     P.apply_series(patched, pin)
     found = detect_zmq_auth(SourceTree(patched))
-    if any("authenticate-side-channels" in p.name for p in P.load_series(pin, P.default_patches_dir())):
-        assert found.status == "opt-in" and "backport" in found.detail, (pin, found)
-        assert [e.split(": ")[-1] for e in found.evidence] == ["pd_side_channels.guard_rank_port(...)",
-                                                               "pd_side_channels.sign_socket(...)"], (pin, found)
-    else:
-        assert found.status in ("no", "unknown"), (pin, found)
+    assert any("authenticate-side-channels" in p.name for p in P.load_series(pin, P.default_patches_dir())), pin
+    assert found.status == "opt-in" and "backport" in found.detail, (pin, found)
+    assert [e.split(": ")[-1] for e in found.evidence] == ["pd_side_channels.guard_rank_port(...)",
+                                                           "pd_side_channels.sign_socket(...)"], (pin, found)
     assert detect_zmq_auth(SourceTree(make_tree(pin, tmp_path / "pristine"))).status in ("no", "unknown"), pin
 
 

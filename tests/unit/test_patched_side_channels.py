@@ -34,15 +34,12 @@ import pytest
 zmq = pytest.importorskip("zmq")
 sglang = pytest.importorskip("sglang")
 
-from sglang_harden import events  # noqa: E402
-from sglang_harden.compat import control_auth  # noqa: E402
 from sglang_harden.compat import zmq_sockets as plugin_sockets  # noqa: E402
-from sglang_harden.compat.runtime import RUNTIME  # noqa: E402
-from sglang_harden.config import HardenConfig  # noqa: E402
 from sglang_harden.guards import zmq_auth as plugin_auth  # noqa: E402
 from sglang_harden.guards.bootstrap_auth import MIN_SECRET_CHARS, parse_secrets  # noqa: E402
 from sglang_harden.testbed.envs import REPO_ROOT  # noqa: E402
 from sglang_harden.testbed.patched import copy_series_files  # noqa: E402
+from sglang_harden.testbed.plugin_config import secret_in_force  # noqa: E402
 from sglang_harden.tools import patch as patch_tool  # noqa: E402
 
 PIN = sglang.__version__
@@ -135,12 +132,21 @@ def test_plugin_and_series_speak_one_wire_format(runs: dict[str, dict[str, Any]]
     patched = runs["patched"]
     assert _case(patched, "plugin signed")["ptr"] == 0xF000
     assert _case(patched, "plugin signed, other secret")["ptr"] is None
-    for who, first in (("manager", "ABORT_ACK"), ("receiver", "ABORT")):
+    expected = {"manager": ["ABORT_ACK", "7"], "receiver": ["ABORT", "7"]}
+    if patched["early"]:  # the page-lifecycle patch's own drain acknowledgement (rank 0) signs too
+        expected["lifecycle ack"] = ["SGH_ABORT_ACK", "7", "0"]
+    assert set(patched["interop"]) == set(expected), patched["interop"]
+    for who, frames in expected.items():
         seen = patched["interop"][who]
-        assert seen == {"frames": [first, "7"], "signed": True, "verdict": "allow", "tampered": "reject"}, (who, seen)
+        assert seen == {"frames": frames, "signed": True, "verdict": "allow", "tampered": "reject"}, (who, seen)
 
 
 def test_the_managers_peer_sockets_are_capped(runs: dict[str, dict[str, Any]]) -> None:
+    if runs["patched"]["early"]:
+        # 0.4.x opens a socket per send; 0.5.10.post1 caches one per endpoint with functools.cache (no cache a
+        # cap could trim): the series caps nothing there, and says so in the patch's header
+        assert runs["vanilla"]["peer_sockets"] is None and runs["patched"]["peer_sockets"] is None
+        return
     assert runs["vanilla"]["peer_sockets"] == 8 and runs["patched"]["peer_sockets"] == 3, runs
 
 
@@ -173,15 +179,8 @@ def _load(tree: Path, monkeypatch: pytest.MonkeyPatch, secret_file: Path | None,
 @pytest.fixture
 def plugin(workdir: Path) -> Iterator[None]:
     """The plugin's side-channel settings with the same secret file (enforce, signing)."""
-    saved = RUNTIME.config
-    RUNTIME.config = HardenConfig(bootstrap_secret_file=str(workdir / "secret"))
-    control_auth._cache.clear()
-    events.reset_for_tests()
-    try:
+    with secret_in_force(workdir / "secret"):
         yield
-    finally:
-        RUNTIME.config = saved
-        control_auth._cache.clear()
 
 
 @pytest.fixture
@@ -274,3 +273,27 @@ def test_a_rotations_second_secret_is_accepted(workdir: Path, monkeypatch: pytes
     stranger = plugin_auth.Signer().sign(parse_secrets("x" * MIN_SECRET_CHARS), frames, "tcp://127.0.0.1:5000")
     assert inbox.admit([*frames, stranger]) is None
     assert series.auth_state().keyring.signing == SECRET.encode()
+
+
+def test_moris_sockets_per_thread_are_capped(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.5.18+: MORI's ``_connect_threadsafe`` (a socket cache per thread) calls the series' cap after each new
+    socket; the cap closes the thread's oldest past ``MAX_PEER_SOCKETS``. Before 0.5.18 the series caps nothing."""
+    mori = workdir / "tree/sglang/srt/disaggregation/mori/conn.py"
+    if not mori.exists() or "def _connect_threadsafe" not in mori.read_text():
+        pytest.skip("MORI keeps no socket cache per thread on this release (its manager's _connect is used)")
+    assert "            cache[endpoint] = sock\n            pd_side_channels.cap_thread_sockets(cache, endpoint)" in (
+        mori.read_text())
+    series = _load(workdir / "tree", monkeypatch, workdir / "secret")
+
+    class Sock:
+        closed = False
+
+        def close(self, linger: int = 0) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(series, "MAX_PEER_SOCKETS", 3)
+    cache = {f"tcp://127.0.0.1:{port}": Sock() for port in range(1, 9)}
+    first = dict(cache)
+    series.cap_thread_sockets(cache, "tcp://127.0.0.1:8")
+    assert sorted(cache) == [f"tcp://127.0.0.1:{port}" for port in (6, 7, 8)]
+    assert [first[f"tcp://127.0.0.1:{port}"].closed for port in range(1, 9)] == [True] * 5 + [False] * 3

@@ -8,7 +8,8 @@ Two kinds of JSON lines, in ``$SGLANG_HARDEN_TESTBED_WIRETAP_DIR/wiretap-<pid>.j
 - ``sent``: every multipart message a process sends to a ``tcp://`` endpoint (``to``, ``frames`` as hex, each cut
   at ``MAX_FRAME_BYTES``) - the plaintext a sniffer on the path reads (rooms, session ids, buffer addresses).
 
-Hooks ``CommonKVManager.__init__`` (0.5.x) and ``zmq.Socket.send_multipart`` (the class every socket subclasses,
+Hooks ``CommonKVManager.__init__`` (0.5.x; 0.4.x: Mooncake's own ``MooncakeKVManager.__init__``) and
+``zmq.Socket.send_multipart`` (the class every socket subclasses,
 so sglang-harden's signing sockets are seen too, their auth frame included). Read-only.
 """
 
@@ -26,6 +27,7 @@ from sglang_harden._importhook import when_imported
 WIRETAP_ENV = "SGLANG_HARDEN_TESTBED_WIRETAP_DIR"
 MAX_FRAME_BYTES = 1 << 16
 CONN = "sglang.srt.disaggregation.common.conn"
+MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 
 
 def _write(record: dict[str, Any]) -> None:
@@ -77,10 +79,17 @@ def _patch_conn(module: ModuleType) -> None:
     wrap_methods_once(module.CommonKVManager, "_sglang_harden_wiretap", {"__init__": _wrap_init})
 
 
+def _patch_mooncake(module: ModuleType) -> None:
+    manager = module.MooncakeKVManager
+    if all(cls.__name__ != "CommonKVManager" for cls in manager.__mro__):  # 0.4.x: a manager of its own
+        wrap_methods_once(manager, "_sglang_harden_wiretap", {"__init__": _wrap_init})
+
+
 def _patch_zmq(module: ModuleType) -> None:
     wrap_methods_once(module.Socket, "_sglang_harden_wiretap", {"send_multipart": _wrap_send})
 
 
 def install() -> None:
     when_imported(CONN, _patch_conn)
+    when_imported(MOONCAKE, _patch_mooncake)
     when_imported("zmq", _patch_zmq)
