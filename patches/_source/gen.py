@@ -3,7 +3,8 @@
     SGLANG_SRC=/tmp/src python3 patches/_source/gen.py 0.5.19     # needs $SGLANG_SRC/<pin>/sglang
 
 Each spec (spec_<pin>.py) lists patches as (name, header, [(file, anchor, replacement)]); an anchor must
-occur exactly once. The code blocks and headers shared by the pins live in common_text.py; the new module
+occur exactly once. The code blocks and headers shared by the pins live in common_text.py (and lifecycle_text.py,
+commit_checks_text.py, side_channels_text.py); the new module
 of the notification patch is pd_rejections.py. Do not edit the generated .patch files by hand.
 """
 from __future__ import annotations

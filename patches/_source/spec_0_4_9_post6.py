@@ -15,6 +15,8 @@ This release answers a request the scheduler failed with status 500 as HTTP 200 
 become HTTP errors): ``answer-failed-requests-with-500`` makes every refusal above an HTTP 500."""
 
 from common_text import *  # noqa: F403
+from commit_checks_text import *  # noqa: F403
+from lifecycle_text import *  # noqa: F403
 from side_channels_text import early_side_channels_patch
 
 

@@ -30,6 +30,8 @@ control-plane authentication, no page tags, no canary, no KV digest). What diffe
   logging in any process and was lost: each KV manager logs it again (see common_text.AUTH_STATUS_AGAIN).
 """
 from common_text import *  # noqa: F403
+from commit_checks_text import *  # noqa: F403
+from lifecycle_text import *  # noqa: F403
 from side_channels_text import MORI as MORI_CONN, early_side_channels_patch
 import spec_0_5_19 as base
 

@@ -1,14 +1,8 @@
 # 0.5.18: the 0.5.19 series, but 0.5.18's _is_fake_transfer also takes the server args (every anchor holds, yet the
 # calls the series adds must match: measured on a patched 0.5.18 pair, whose decode scheduler died on the first commit).
-from common_text import (
-    DECODE,
-    MOONCAKE,
-    NOTICE_0519,
-    UNGATED_DIGEST_CHECK,
-    digest_patch,
-    lifecycle_patch,
-    notice_arms_acks,
-)
+from commit_checks_text import UNGATED_DIGEST_CHECK, digest_patch
+from common_text import DECODE, MOONCAKE
+from lifecycle_text import NOTICE_0519, lifecycle_patch, notice_arms_acks
 from side_channels_text import side_channels_patch
 from spec_0_5_19 import UNGATED_PATCHES as _PATCHES_0519
 

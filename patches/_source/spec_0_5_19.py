@@ -1,4 +1,6 @@
 from common_text import *  # noqa: F403
+from commit_checks_text import *  # noqa: F403
+from lifecycle_text import *  # noqa: F403
 from side_channels_text import side_channels_patch
 
 _BEFORE_THE_GUARDS = [

@@ -1,4 +1,6 @@
 from common_text import *  # noqa: F403
+from commit_checks_text import *  # noqa: F403
+from lifecycle_text import *  # noqa: F403
 import spec_0_5_20 as prev
 from side_channels_text import side_channels_patch
 

@@ -1,7 +1,7 @@
 # 0.5.22: the 0.5.21 series, but the drain-acknowledgement functions changed (AckTarget, generations, and the
 # "poisoned" rooms whose acknowledgement target upstream drops): the lifecycle patch edits those.
 # The side-channel patch also covers the PP consensus store this release added.
-from common_text import ACK_EDITS_0522, FREE_CONTEXTS_0522, NIXL_EDITS, lifecycle_patch
+from lifecycle_text import ACK_EDITS_0522, FREE_CONTEXTS_0522, NIXL_EDITS, lifecycle_patch
 from side_channels_text import side_channels_patch
 from spec_0_5_21 import PATCHES as _PATCHES_0521
 
