@@ -154,10 +154,19 @@ def probed_absent(hook: Hook) -> bool:
     return False
 
 
+def _optional_not_loaded(hook: Hook) -> bool:
+    """An optional hook whose module this process has not imported (or this release does not have): nothing here
+    calls its target; were the module imported later, the hook is installed on that import."""
+    import sys
+
+    return hook.optional and hook.module not in sys.modules
+
+
 def missing(hooks: list[Hook]) -> list[str]:
     """Targets of ``hooks`` that are not wrapped in this process right now (an optional hook whose target this
-    release lacks is not missing)."""
-    return [f"{h.owner} -> {h.target}" for h in hooks if not is_in_place(h) and not probed_absent(h)]
+    release lacks, or whose module is not loaded here, is not missing)."""
+    return [f"{h.owner} -> {h.target}" for h in hooks
+            if not is_in_place(h) and not probed_absent(h) and not _optional_not_loaded(h)]
 
 
 def registered_hooks() -> list[Hook]:

@@ -77,6 +77,21 @@ def test_hook_installs_on_loaded_module_and_is_verifiable() -> None:
     assert hooks.missing([hook]) == []
 
 
+def test_optional_hook_on_a_module_not_loaded_is_not_missing() -> None:
+    """An optional hook whose module this process never imported (0.5.19 has no pp_consensus_store; a process that
+    does not load it calls nothing there) is not a gap; a required one is, and so is an optional one once its module
+    is loaded without the hook in place."""
+    optional = hooks.Hook("zmq_auth", "fake_sglang_absent_mod", "Store._init_zmq", ("self",), _guarded,
+                          optional=True)
+    required = hooks.Hook("zmq_auth", "fake_sglang_absent_mod", "Store._init_zmq", ("self",), _guarded)
+    assert hooks.missing([optional]) == []
+    assert hooks.missing([required]) == ["zmq_auth -> fake_sglang_absent_mod.Store._init_zmq"]
+    _fake_module("fake_sglang_loaded_mod")
+    loaded = hooks.Hook("admission", "fake_sglang_loaded_mod", "Queue.add", ("self", "req", "num_kv_heads"), _guarded,
+                        optional=True)
+    assert hooks.missing([loaded]) == ["admission -> fake_sglang_loaded_mod.Queue.add"]
+
+
 def test_hook_signature_mismatch_fails_closed() -> None:
     _fake_module("fake_sglang_moved")
     hook = hooks.Hook("admission", "fake_sglang_moved", "Queue.add", ("self", "req", "is_retracted"), _guarded)
