@@ -36,7 +36,7 @@ for pin in $ci_pins; do
     tests/integration/test_digest_inprocess.py tests/integration/test_gpu_semantics_inprocess.py \
     tests/integration/test_control_auth_inprocess.py tests/integration/test_drain_acks_inprocess.py \
     tests/unit/test_patched_side_channels.py tests/integration/test_zmq_channels_inprocess.py \
-    tests/integration/test_wire_fuzz_inprocess.py "${patched[@]}" \
+    tests/integration/test_wire_fuzz_inprocess.py tests/integration/test_pp_consensus_inprocess.py "${patched[@]}" \
     > "$logs/in-process tests, pin $pin.log" 2>&1 &
   pids+=("$!")
 done

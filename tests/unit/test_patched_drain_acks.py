@@ -8,6 +8,7 @@ pyzmq: run with a pin's venv python, as ``scripts/run_tests.sh`` does.
 from __future__ import annotations
 
 import inspect
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,12 @@ from test_patched_lifecycle_04x import _prefill
 
 torch = pytest.importorskip("torch")
 zmq = pytest.importorskip("zmq")
+pytest.importorskip("hypothesis")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ_EXAMPLES = int(os.environ.get("SGLANG_HARDEN_WIRE_FUZZ_EXAMPLES", "1000"))
 
 PINS = ("0.4.9.post6", "0.5.10.post1", "0.5.18", "0.5.19", "0.5.23")
 CONN = "sglang/srt/disaggregation/common/conn.py"
@@ -262,3 +269,42 @@ def test_the_splices_pass_the_generation_and_arm_before_the_notice(trees: dict[s
         assert first < body.index("send_multipart"), pin
         if "register_deferred_abort_room" in body:
             assert first < body.index("register_deferred_abort_room"), pin
+
+
+def _own_frames(head: bytes) -> st.SearchStrategy[list[bytes]]:
+    """``head`` and up to five frames: plausible fields (decimals of any size and sign, addresses, ports) or any
+    bytes."""
+    field = st.one_of(st.integers(-(2**70), 2**70).map(lambda n: str(n).encode()), st.binary(max_size=40),
+                      st.sampled_from([b"127.0.0.1", b"::1", b"[::1]", b"", b"0", b"65535", b"65536", b" 1", b"1e3"]))
+    return st.lists(field, max_size=5).map(lambda rest: [head, *rest])
+
+
+@pytest.mark.parametrize("pin", ["0.4.9.post6", "0.5.10.post1"])
+def test_fuzzed_own_frames_never_raise_and_change_only_what_they_name(
+        trees: dict[str, Path], pin: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypothesis, ``SGLANG_HARDEN_WIRE_FUZZ_EXAMPLES`` (1,000) cases per message type, ``SGH_ABORT`` at prefill and
+    ``SGH_ABORT_ACK`` at decode, as a holder of the secret could send them (unsigned ones never get this far: the
+    rank port drops them, tests/unit/test_patched_side_channels.py): each is consumed without raising (the
+    listener keeps serving); a notice fails at most the room it names, and only a room prefill holds."""
+    lifecycle, manager = _prefill(trees[pin], monkeypatch)
+    ran = {"SGH_ABORT": 0, "SGH_ABORT_ACK": 0}
+    manager.request_status[66] = 2  # a live room no fuzzed notice names (they name others or nothing valid)
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(frames=_own_frames(b"SGH_ABORT"))
+    def notice(frames: list[bytes]) -> None:
+        if len(frames) > 1 and frames[1] == b"66":
+            return
+        assert lifecycle.abort_notice_received(manager, frames) is True
+        assert manager.request_status.get(66) == 2
+        ran["SGH_ABORT"] += 1
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(frames=_own_frames(b"SGH_ABORT_ACK"))
+    def ack(frames: list[bytes]) -> None:
+        assert lifecycle.ack_frames_received(frames) is True
+        ran["SGH_ABORT_ACK"] += 1
+
+    notice()
+    ack()
+    assert min(ran.values()) >= FUZZ_EXAMPLES * 0.95, ("Hypothesis ran fewer cases than asked", ran)
