@@ -514,7 +514,8 @@ def test_nixl_backend_hooks_in_place(sglang_modules: dict[str, Any]) -> None:
 
 def test_optional_hooks_follow_the_release(sglang_modules: dict[str, Any]) -> None:
     """Each optional hook is in place exactly where this release has its target (0.5.22+: the poison of an undrained
-    room, 0.5.19: Mooncake's per-endpoint status sync, 0.5.20+: the retired aborted result), and where it has not,
+    room and the PP consensus store, 0.5.19: Mooncake's per-endpoint status sync, 0.5.20+: the retired aborted
+    result), and where it has not,
     the start-up check does not count it missing; a required hook never is optional."""
     import importlib
 
@@ -525,7 +526,8 @@ def test_optional_hooks_follow_the_release(sglang_modules: dict[str, Any]) -> No
         "CommonKVManager.poison_deferred_ack_room", "MooncakeKVManager.sync_status_to_decode_endpoint",
         "CommonKVManager._make_worker_recv", "prefetch_staging_reqs",
         "SchedulerDisaggregationPrefillMixin._retire_aborted_prefill_result", "RadixCache.cache_unfinished_req",
-        "RadixCache.checkpoint", "UnifiedRadixCache.cache_unfinished_req", "UnifiedRadixCache.checkpoint"}
+        "RadixCache.checkpoint", "UnifiedRadixCache.cache_unfinished_req", "UnifiedRadixCache.checkpoint",
+        "PPConsensusStore._init_zmq"}
     for hook in sglang_v05.OPTIONAL_HOOKS:
         if hook.owner == PAGE_LEDGER_OWNER:  # the page-tag guard's copies, armed only with the lifecycle guard off
             continue

@@ -72,6 +72,15 @@ def _wait(condition: Any) -> bool:
     return False
 
 
+def _own_init(monkeypatch: pytest.MonkeyPatch, cls: Any, wrap: bool) -> None:
+    """SGLang's own ``_init_zmq`` (without any hook an earlier test of this process installed), or it wrapped by the
+    plugin's ``zmq_auth`` hook."""
+    import inspect
+
+    original = inspect.unwrap(cls._init_zmq)
+    monkeypatch.setattr(cls, "_init_zmq", zmq_channels.guard_pp_store(original) if wrap else original)
+
+
 def _patched_store(tmp: Path, secret: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Callable[[], int]]:
     """The pin's series applied to a copy of its files; its ``pd_auth``, ``pd_side_channels`` and the patched store
     module imported from there (the plugin's hooks play no part), and the series' refusal count."""
@@ -104,8 +113,7 @@ def _scenario(monkeypatch: pytest.MonkeyPatch, module: Any, rejected: Callable[[
               wrap: bool = False) -> dict[str, Any]:
     cls = module.PPConsensusStore
     monkeypatch.setattr(module, "get_local_ip_auto", lambda *args: "127.0.0.1")
-    if wrap:
-        monkeypatch.setattr(cls, "_init_zmq", zmq_channels.guard_pp_store(cls._init_zmq))
+    _own_init(monkeypatch, cls, wrap)
     rank0 = cls(2, 0, _Group())
     rank1 = cls(2, 1, _Group())
     host, port = _Group.info
@@ -165,7 +173,7 @@ def _ops() -> st.SearchStrategy[list[bytes]]:
 def test_unsigned_messages_never_reach_rank0s_table(monkeypatch: pytest.MonkeyPatch, secret: Path) -> None:
     cls = store_module.PPConsensusStore
     monkeypatch.setattr(store_module, "get_local_ip_auto", lambda *args: "127.0.0.1")
-    monkeypatch.setattr(cls, "_init_zmq", zmq_channels.guard_pp_store(cls._init_zmq))
+    _own_init(monkeypatch, cls, wrap=True)
     rank0, rank1 = cls(2, 0, _Group()), cls(2, 1, _Group())
     host, port = _Group.info
     ctx = zmq.Context()

@@ -18,6 +18,8 @@ import pytest
 from test_patch import patched_trees
 from test_patched_lifecycle import Allocator, load
 
+from sglang_harden.compat.internals import SIDE_CHANNELS_BACKPORT
+
 torch = pytest.importorskip("torch")
 zmq = pytest.importorskip("zmq")
 
@@ -57,16 +59,20 @@ class Manager:
 
 
 def _stub_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SGLang name the prefill half imports (KVPoll), for a test without 0.4.x installed."""
+    """The SGLang names the prefill half imports (KVPoll; the side-channel patch's ``sign_socket`` on its ack socket,
+    which with no secret, as here, signs nothing), for a test without 0.4.x installed."""
     def module(name: str) -> ModuleType:
         if name not in sys.modules or not isinstance(sys.modules[name], ModuleType):
             monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
         return sys.modules[name]
 
-    for name in ("sglang", "sglang.srt", "sglang.srt.disaggregation"):
+    for name in ("sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.disaggregation.common"):
         module(name)
     monkeypatch.setattr(module("sglang.srt.disaggregation.base"), "KVPoll",
                         SimpleNamespace(Failed=FAILED), raising=False)
+    side = types.ModuleType(SIDE_CHANNELS_BACKPORT)
+    side.sign_socket = lambda sock, endpoint: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, SIDE_CHANNELS_BACKPORT, side)
 
 
 @pytest.fixture
