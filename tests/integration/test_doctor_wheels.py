@@ -145,6 +145,7 @@ OPTIONAL_TARGETS = {
     "page_ledger: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.cache_unfinished_req":
         ("0.5.19", "0.5.20", "0.5.21"),
     "page_ledger: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint": ("0.5.22", "0.5.23"),
+    "zmq_auth: sglang.srt.disaggregation.pp_consensus_store.PPConsensusStore._init_zmq": ("0.5.22", "0.5.23"),
     "side_channels: sglang.srt.disaggregation.common.conn.CommonKVManager._make_worker_recv":
         ("0.5.21", "0.5.22", "0.5.23"),
     "zmq_auth: sglang.srt.disaggregation.common.conn.CommonKVManager._make_worker_recv": ("0.5.21", "0.5.22", "0.5.23"),
