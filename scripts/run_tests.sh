@@ -21,6 +21,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The pins and the torch tests run side by side (each pin mostly one busy thread: SGLang's bootstrap server and
 # the fuzzing client).
 phase() { echo "[run_tests] $(date -u +%H:%M:%S) $*"; }
+in_process_tests=(tests/integration/test_lifecycle_inprocess.py tests/integration/test_mori_inprocess.py
+  tests/integration/test_digest_inprocess.py tests/integration/test_gpu_semantics_inprocess.py
+  tests/integration/test_control_auth_inprocess.py tests/integration/test_drain_acks_inprocess.py
+  tests/unit/test_patched_side_channels.py tests/integration/test_zmq_channels_inprocess.py
+  tests/integration/test_wire_fuzz_inprocess.py tests/integration/test_pp_consensus_inprocess.py)
+patched_auth_tests=(tests/integration/test_patched_auth_inprocess.py)
+torch_tests=(tests/unit/test_digest*.py tests/unit/test_checksum.py tests/unit/test_events_prometheus.py
+  tests/unit/test_cudasim.py tests/unit/test_canary.py tests/unit/test_patched_canary.py
+  tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_drain_acks.py
+  tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py)
 phase "in-process tests (each CI pin's venv) and torch tests, side by side"
 logs="$(mktemp -d)"
 pids=()
@@ -30,22 +40,14 @@ for pin in $ci_pins; do
   # the patch series' bootstrap server: on the newest CI pin (the 0.5.19 series is authenticated end to end in
   # tests/e2e/test_patched_incident.py, and its pd_auth module is the same file on every 0.5.x series)
   patched=()
-  [ "$pin" = "$newest" ] && patched=(tests/integration/test_patched_auth_inprocess.py)
+  [ "$pin" = "$newest" ] && patched=("${patched_auth_tests[@]}")
   python3 -m sglang_harden.cli testbed python --pin "$pin" -- -m pytest -ra -p no:cacheprovider \
-    tests/integration/test_lifecycle_inprocess.py tests/integration/test_mori_inprocess.py \
-    tests/integration/test_digest_inprocess.py tests/integration/test_gpu_semantics_inprocess.py \
-    tests/integration/test_control_auth_inprocess.py tests/integration/test_drain_acks_inprocess.py \
-    tests/unit/test_patched_side_channels.py tests/integration/test_zmq_channels_inprocess.py \
-    tests/integration/test_wire_fuzz_inprocess.py tests/integration/test_pp_consensus_inprocess.py "${patched[@]}" \
-    > "$logs/in-process tests, pin $pin.log" 2>&1 &
+    "${in_process_tests[@]}" "${patched[@]}" > "$logs/in-process tests, pin $pin.log" 2>&1 &
   pids+=("$!")
 done
 # the torch tests wait mostly on their own subprocesses and gloo timeouts (about a quarter of a core)
 torch_py="$(python3 -c 'from sglang_harden.testbed.envs import ci_pins, venv_python; print(venv_python(ci_pins()[-1]))')"
-"$torch_py" -m pytest -ra -p no:cacheprovider tests/unit/test_digest*.py tests/unit/test_checksum.py \
-  tests/unit/test_events_prometheus.py tests/unit/test_cudasim.py \
-  tests/unit/test_canary.py tests/unit/test_patched_canary.py tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_drain_acks.py \
-  tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py > "$logs/torch tests.log" 2>&1 &
+"$torch_py" -m pytest -ra -p no:cacheprovider "${torch_tests[@]}" > "$logs/torch tests.log" 2>&1 &
 pids+=("$!")
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
@@ -58,4 +60,7 @@ rm -rf "$logs"
 # tests first, started the long late-write and soak groups last).
 workers="${SGLANG_HARDEN_TEST_WORKERS:-2}"
 phase "whole suite, $workers workers"
-exec python3 -m pytest -ra --durations=60 -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+# the files above already ran under a venv with their dependencies: here they would only skip on imports
+ignore=()
+for test in "${in_process_tests[@]}" "${patched_auth_tests[@]}" "${torch_tests[@]}"; do ignore+=("--ignore=$test"); done
+exec python3 -m pytest -ra --durations=60 -n "$workers" --dist loadgroup --no-loadscope-reorder "${ignore[@]}" "$@"

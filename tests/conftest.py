@@ -13,11 +13,15 @@
 - With ``SGLANG_HARDEN_MATRIX_RESULTS=DIR``, each test marked ``proves(path, *guards)`` appends its result per pin
   (for the paths of a user property ``("proves_paths", [path, ...])`` instead, where a test sets one)
   to ``DIR/<pin>.jsonl``, from which ``sglang-harden doctor --matrix`` builds the guard x pin x path matrix.
+- With ``SGLANG_HARDEN_STRICT_SKIPS=1`` (``.ci/run`` sets it), a skip caused by something the machine could have
+  installed (a module, a tool, a download, a pin venv: :data:`INSTALL_CAUSED`) FAILS instead: CI installs what the
+  suite needs, so such a skip means a test that never ran.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -29,6 +33,14 @@ from sglang_harden.tools import matrix
 from sglang_harden.tools.matrix import ENV as MATRIX_ENV
 
 PIDFILE_ENV = "SGLANG_HARDEN_TESTBED_PIDFILE"
+STRICT_SKIPS_ENV = "SGLANG_HARDEN_STRICT_SKIPS"
+INSTALL_CAUSED = re.compile(r"could not import|no module named|not installed|download failed|not available here|"
+                            r"no pin venv|no source for|unavailable|no pip here", re.IGNORECASE)
+
+
+def install_caused(reason: str) -> bool:
+    """A skip reason that says something was not installed, downloaded or built (what CI must provide)."""
+    return INSTALL_CAUSED.search(reason) is not None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -126,7 +138,11 @@ def _longest_groups_first(items: list[pytest.Item], group_of: dict[int, str]) ->
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the groups into node-id suffixes
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """One xdist group per (module, pin): a module's pairs for a pin are started by one worker only. Groups are
-    ordered longest first (``E2E_GROUP_MINUTES``; run with ``--no-loadscope-reorder`` to keep that order)."""
+    ordered longest first (``E2E_GROUP_MINUTES``; run with ``--no-loadscope-reorder`` to keep that order).
+    Every ``proves`` mark names its negative control (:func:`proof_without_control`)."""
+    unproven = [problem for item in items if (problem := proof_without_control(item)) is not None]
+    if unproven:
+        raise pytest.UsageError("a proves test without a negative control:\n  " + "\n  ".join(unproven))
     group_of: dict[int, str] = {}
     for item in items:
         pin = _item_pin(item)
@@ -138,6 +154,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         else:
             group_of[id(item)] = item.nodeid
     _longest_groups_first(items, group_of)
+
+
+def proof_without_control(item: pytest.Item) -> str | None:
+    """A ``proves`` mark must say where the same scenario runs without the guard and shows the harm:
+    ``control="self"`` (this test runs the vanilla or guard-off side too and asserts the harm happened there),
+    ``control="<test name>"``, a test of the same module, or ``control="<module path>::<test name>"``, one of another
+    module run on the same pins; the control must not be a proof itself (the matrix counts the proof only where
+    the control passed on the same pin, and marks it FAILED where the control failed). The problem, or None."""
+    marker = item.get_closest_marker("proves")
+    if marker is None:
+        return None
+    control = marker.kwargs.get("control")
+    if control == "self":
+        return None
+    if not isinstance(control, str) or not control:
+        return f"{item.nodeid}: proves(...) has no control= ('self', or the control test's name)"
+    module, _, name = control.rpartition("::")
+    source = item.config.rootpath / module if module else Path(str(item.fspath))
+    found = _test_marks(source).get(name) if source.is_file() and name.startswith("test_") else None
+    if found is None:
+        return f"{item.nodeid}: control={control!r} is not a test of {module or item.module.__name__}"
+    if "proves" in found:
+        return f"{item.nodeid}: control={control!r} is itself a proves test"
+    return None
+
+
+def _test_marks(source: Path) -> dict[str, set[str]]:
+    """The test functions of a module and the names of their ``pytest.mark`` decorators."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            decorators = [d.func if isinstance(d, ast.Call) else d for d in node.decorator_list]
+            found[node.name] = {d.attr for d in decorators if isinstance(d, ast.Attribute)}
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -211,23 +263,57 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """With ``SGLANG_HARDEN_MATRIX_RESULTS`` set, a test marked ``proves`` adds its result to the matrix (a pass or
-    a failure of the test itself, or a failure in its set-up; a skip says nothing)."""
+    """With ``SGLANG_HARDEN_MATRIX_RESULTS`` set, every test of a module with a test marked ``proves`` adds its
+    result to the matrix (a pass or a failure of the test itself, or a failure in its set-up; a skip says nothing),
+    stamped with the hash of the code it ran; a test not marked ``proves`` there is a control of the module's
+    proofs."""
     outcome = yield
     report = outcome.get_result()
-    marker = item.get_closest_marker("proves")
+    _fail_if_install_caused(report)
     results = os.environ.get(MATRIX_ENV)
-    if not results or marker is None or report.skipped:
+    if not results or report.skipped or not _module_proves(item):
         return
     if report.when != "call" and not report.failed:
         return
     case = _item_pin(item) or getattr(getattr(item, "callspec", None), "params", {}).get("case")
     if not isinstance(case, str):
         return
+    pin = case.split("/")[0]
+    marker = item.get_closest_marker("proves")
     # a test whose protected side depends on its case names the paths it ran (user property "proves_paths")
-    paths = next((list(value) for key, value in item.user_properties if key == "proves_paths"), [marker.args[0]])
+    paths = [matrix.CONTROL] if marker is None else next(
+        (list(value) for key, value in item.user_properties if key == "proves_paths"), [marker.args[0]])
+    guards = () if marker is None else marker.args[1:]
+    control = "" if marker is None else str(marker.kwargs.get("control", ""))
     try:  # a result that cannot be written must not end the session: the matrix then shows no result for it
+        code = matrix.code_hash(pin, matrix.module_of(item.nodeid), item.config.rootpath)
         for path in dict.fromkeys(paths):
-            matrix.record(Path(results), item.nodeid, case.split("/")[0], path, marker.args[1:], report.outcome)
+            matrix.record(Path(results), item.nodeid, pin, path, guards, report.outcome, code, control=control)
     except (OSError, ValueError, IndexError) as exc:
         warnings.warn(f"matrix result of {item.nodeid} not recorded: {exc}", stacklevel=1)
+
+
+def _module_proves(item: pytest.Item) -> bool:
+    """The item's module has a test marked ``proves`` (read from its source: a ``-k`` run may select none)."""
+    cache: dict[str, bool] = item.config.__dict__.setdefault("_sglang_harden_proving_modules", {})
+    module = str(item.fspath)
+    if module not in cache:
+        cache[module] = any("proves" in marks for marks in _test_marks(Path(module)).values())
+    return cache[module]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A module skipped at collection (``importorskip``) falls under the same rule as a skipped test."""
+    outcome = yield
+    _fail_if_install_caused(outcome.get_result())
+
+
+def _fail_if_install_caused(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """With ``SGLANG_HARDEN_STRICT_SKIPS=1``, an install-caused skip becomes a failure that says so."""
+    if not report.skipped or os.environ.get(STRICT_SKIPS_ENV) != "1" or hasattr(report, "wasxfail"):
+        return
+    reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if install_caused(reason):
+        report.outcome = "failed"
+        report.longrepr = f"install-caused skip under {STRICT_SKIPS_ENV}=1 (CI must provide it): {reason}"

@@ -17,6 +17,7 @@ from sglang_harden.compat import (
     commit_chain,
     commit_gate,
     control_auth,
+    deferred_release_v05,
     hook_timer,
     kv_canary,
     kv_digest,
@@ -276,8 +277,9 @@ RETIRED_RESULT_HOOKS = [
 ]
 
 
-# The page lifecycle's and page tags' hooks: the common ones, then each transfer backend's.
-LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *backends.lifecycle_hooks()]
+# The page lifecycle's and page tags' hooks: the common ones (SGLang's deferred release ending on the guard's drain
+# evidence among them), then each transfer backend's.
+LIFECYCLE_HOOKS: list[Hook] = [*lifecycle_v05.HOOKS, *deferred_release_v05.HOOKS, *backends.lifecycle_hooks()]
 
 HOOKS: list[Hook] = [
     Hook("admission", *PREFILL_DOOR, ("self", "req", "num_kv_heads"),

@@ -4,8 +4,10 @@ Invariant: a page that was handed to a writer is freed (decode) or reused as a t
 only once the writer drained: decode's writer acknowledged, is known gone, or never started
 (:func:`writer_drained`); prefill's transfer of the room has no chunk outstanding, has ended, and no write it
 gave up on can still land (:func:`source_settled`). Until then decode's pages wait in quarantine (a bare
-timeout is no confirmation) and prefill's source pages stay held. Quarantine is bounded: at the cap the node
-stops admitting PD requests (HTTP 503) rather than reuse pages. Transfers are cut into bounded windows.
+timeout is no confirmation) and prefill's source pages stay held; and once the writer drained, nothing holds them
+longer (SGLang's own deferred release of a failed transfer ends on the same evidence, not at its timeout).
+Quarantine is bounded: at the cap the node stops admitting PD requests (HTTP 503) rather than reuse pages.
+Transfers are cut into bounded windows.
 
 Who owns which page, in which state, is the page ledger's (:mod:`.page_ledger`, re-exported here). The rules
 below are the ones production runs (``compat/lifecycle_nodes.py``) and the protocol model explores

@@ -19,8 +19,9 @@ the tiny model):
    A's release time decodes;
 5. at quiesce, B is sent again on the quiet server as the reference.
 
-Oracles: the shim's log says when and where A's late write landed; the KV tracer says whether B's prompt rows
-changed while B decoded (``context_rows_changed``); B's greedy ids/logprobs are compared with the reference.
+Oracles: the shim's log says when and where A's late write was replayed and whether it landed (a successful
+status: ``late_writes_attempted`` / ``_landed`` / ``_failed``); the KV tracer says whether B's prompt rows changed
+while B decoded (``context_rows_changed``); B's greedy ids/logprobs are compared with the reference.
 Corrupted requests = requests whose prompt rows changed or whose output differs from the reference.
 Quiesce: decode's ``available_tokens`` back to ``max_total_num_tokens`` (and no quarantined pages).
 """
@@ -43,10 +44,13 @@ from sglang_harden.testbed.latewrite_patched import patched_quarantined_pages, p
 from sglang_harden.testbed.latewrite_trace import (
     LandingTrigger,
     await_send,
-    landed,
     late_writes,
+    replayed,
     send_targets,
     trigger_path,
+    write_counts,
+    write_landed,
+    write_replayed,
 )
 from sglang_harden.testbed.patched import patched_env
 from sglang_harden.testbed.pd_topology import PDPair
@@ -248,15 +252,15 @@ def run_scenario(
     # A's pages are back in vanilla's free list at the abort (<= 0.5.20) or after the release timeout (0.5.21+)
     trigger = LandingTrigger(pair.log_dir, time.time() + setup.release_timeout_s + 0.5, land_after_release)
     latest = time.time() + setup.delay_s + setup.victims_after_write_s + 60
-    landed_at: float | None = None
-    try:  # back-to-back victims until the late write landed, then a few more
-        while time.time() < latest and (landed_at is None or time.time() < landed_at + setup.victims_after_write_s):
+    over_at: float | None = None
+    try:  # back-to-back victims until the late write was replayed (landed or failed), then a few more
+        while time.time() < latest and (over_at is None or time.time() < over_at + setup.victims_after_write_s):
             rid = f"B{len(victims)}"
             trigger.sent(rid)
             victims[rid] = victim(rid)
             say(f"{rid} answered {victims[rid].decode.status} at +{time.time() - t0:.1f}s")
-            if landed_at is None and landed(trace):
-                landed_at = time.time()
+            if over_at is None and replayed(trace, setup.room_a):
+                over_at = time.time()
     finally:
         trigger.stop()
     say(f"late write triggered by {trigger.fired_for or 'no victim (timer fallback)'} ({trigger.reason})")
@@ -293,7 +297,8 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     first_decodes = {e["rid"]: e for e in trace if e.get("event") == "first_decode"}
     writes = late_writes(trace_dir)
     a_pages = send_targets(writes)
-    landed_at = next((w["t"] for w in writes if w["event"] == "late_write"), None)
+    landed_at = next((w["t"] for w in writes if write_landed(w)), None)
+    over_at = next((w["t"] for w in writes if write_replayed(w)), None)
     victims: dict[str, dict[str, Any]] = {}
     for rid, pair_result in run["victims"].items():
         b = _b_summary(pair_result.decode)
@@ -307,7 +312,7 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
             "context_rows_changed": changed,
             "output_differs_from_reference": differs,
             "pages_shared_with_a": len(set((first_decodes.get(rid) or {}).get("pages") or ()) & a_pages),
-            "decoded_before_write_landed": _before(first_decodes.get(rid), landed_at),
+            "decoded_before_write_landed": _before(first_decodes.get(rid), over_at),
             "corrupted": bool(changed) or differs,
         }
     pool = run["pool"]
@@ -317,6 +322,7 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
         back = (pool.get("available_tokens") is not None
                 and pool["available_tokens"] >= (pool["max_total_num_tokens"] or 0))
     return {
+        **write_counts(writes),
         "late_write_landed": landed_at is not None,
         "late_write_t_rel": None if landed_at is None else round(landed_at - run["t0"], 2),
         "late_write_triggered_by": run.get("triggered_by"),
@@ -325,6 +331,7 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
         "victims": victims,
         "served_requests": sum(1 for v in victims.values() if v["status"] == 200),
         "corrupted_requests": sum(1 for v in victims.values() if v["corrupted"]),
+        "context_rows_changed": sum(int(v["context_rows_changed"] or 0) for v in victims.values()),
         "pages_back_at_quiesce": back,
         "handed_a_pages_before_write_landed": sorted(
             rid for rid, v in victims.items() if v["pages_shared_with_a"] and v["decoded_before_write_landed"]
@@ -337,10 +344,11 @@ def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
     }
 
 
-def _before(first_decode: dict[str, Any] | None, landed_at: float | None) -> bool | None:
-    if first_decode is None or landed_at is None:
+def _before(first_decode: dict[str, Any] | None, over_at: float | None) -> bool | None:
+    """Whether a victim started decoding while A's write was still held (never replayed: it still is)."""
+    if first_decode is None:
         return None
-    return float(first_decode["t"]) < landed_at
+    return over_at is None or float(first_decode["t"]) < over_at
 
 
 def _quarantined_pages(decode_log: str, room: int | None) -> int:
@@ -385,7 +393,9 @@ def run_late_write(
     )
     result["verdict"] = ("corrupted" if result["corrupted_requests"] else "clean") + (
         "" if result["pages_back_at_quiesce"] else ", pages missing at quiesce"
-    )
+    ) + ("" if result["late_writes_landed"] else
+         f", late write never landed ({result['late_writes_attempted']} attempted, "
+         f"{result['late_writes_failed']} failed)")
     return result
 
 
@@ -431,5 +441,7 @@ def print_report(report: dict[str, Any], as_json: bool) -> None:
     for pin, variants in report["pins"].items():
         for variant, res in variants.items():
             print(f"{pin:8} {report['backend']:8} {variant:9} served={res.get('served_requests')} "
-                  f"corrupted={res.get('corrupted_requests')} late_write_at={res.get('late_write_t_rel')}s "
+                  f"corrupted={res.get('corrupted_requests')} rows_changed={res.get('context_rows_changed')} "
+                  f"late_writes={res.get('late_writes_landed')}/{res.get('late_writes_attempted')} landed "
+                  f"late_write_at={res.get('late_write_t_rel')}s "
                   f"pages_back={res.get('pages_back_at_quiesce')} verdict={res.get('verdict')}")

@@ -1,10 +1,16 @@
 """The late-write scenario's trace: the latewrite shim's lines (A's KV send, the late write) and the trigger file
-that makes the delayed write land while a victim decodes."""
+that makes the delayed write land while a victim decodes.
+
+A ``late_write`` line says the shim replayed a held write and what the engine call (Mooncake) or the post (NIXL)
+reported: ``status`` 0 is a write whose bytes reached decode's pages (:func:`write_landed`), anything else (Mooncake
+< 0; NIXL ``-1``, its ``state`` not ``DONE``) a failed one: no evidence its bytes arrived. Only landed writes count as
+the fault's harm; :func:`write_counts` reports both."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,5 +104,31 @@ def await_send(trace: Path, room: int, timeout_s: float) -> None:
                        f"{timeout_s:.0f} s; nothing would be in flight at the abort")
 
 
-def landed(trace: Path) -> bool:
-    return any(w.get("event") == "late_write" for w in late_writes(trace, live=True))
+def write_replayed(line: Mapping[str, Any]) -> bool:
+    """A late write the shim replayed, landed or failed (the room's held write is then over)."""
+    return line.get("event") == "late_write"
+
+
+def write_landed(line: Mapping[str, Any]) -> bool:
+    """A late write whose replay reported success (status 0): its bytes are in decode's pages. A line without a
+    status is no evidence of a landing."""
+    return write_replayed(line) and line.get("status") == 0
+
+
+def write_counts(lines: Iterable[Mapping[str, Any]], room: int | None = None) -> dict[str, int]:
+    """``late_writes_attempted`` (replayed), ``late_writes_landed`` and ``late_writes_failed``, of ``room`` or
+    of every room."""
+    replayed = [w for w in lines if write_replayed(w) and (room is None or w.get("room") == room)]
+    landed_ = sum(1 for w in replayed if write_landed(w))
+    return {"late_writes_attempted": len(replayed), "late_writes_landed": landed_,
+            "late_writes_failed": len(replayed) - landed_}
+
+
+def landed(trace: Path, room: int | None = None) -> bool:
+    """At least one late write (of ``room``) landed."""
+    return write_counts(late_writes(trace, live=True), room)["late_writes_landed"] > 0
+
+
+def replayed(trace: Path, room: int | None = None) -> bool:
+    """At least one late write (of ``room``) was replayed, landed or failed: the held write is over."""
+    return write_counts(late_writes(trace, live=True), room)["late_writes_attempted"] > 0

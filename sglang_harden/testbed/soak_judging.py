@@ -13,6 +13,8 @@ from sglang_harden.testbed.decisions import notify_latencies
 from sglang_harden.testbed.soak_requests import Target, pool_of
 from sglang_harden.testbed.soak_spec import Outcome, SoakLoad
 
+TRACED_SHARE = 0.95  # of the requests served in full, the share the KV tracer must have seen decode
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -80,7 +82,8 @@ def summarize(outcomes: list[Outcome], samples: list[dict[str, Any]], wall_s: fl
         "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
         "refused_max_s": max((o.latency_s for o in refused), default=None),
         "refused_over_bound": sum(1 for o in refused if o.latency_s > load.refused_bound_s),
-        "failed_examples": [asdict(o) for o in outcomes if o.verdict in ("failed", "oversized_unanswered")][:5],
+        "failed_examples": [asdict(o) for o in outcomes
+                            if o.verdict in ("failed", "oversized_unanswered", "oversized_failed")][:5],
         "throughput_tokens_per_s": round(sum(o.tokens for o in ok) / wall_s, 2) if wall_s else None,
         "throughput_requests_per_s": round(len(ok) / wall_s, 3) if wall_s else None,
         "latency_p50_s": percentile([o.latency_s for o in ok], 50),
@@ -130,15 +133,19 @@ class SoakReport:
     def violations(self) -> list[str]:
         """What a hardened run must never show (empty: the run held every promise the soak checks)."""
         out = []
+        served = int(self.summary["by_outcome"].get("ok", 0))
         if self.foreign_reads is None:
             out.append("no KV tracer: foreign reads not judged")
         elif self.foreign_reads["rows"] or self.foreign_reads["tracer_errors"]:
             out.append(f"foreign reads: {self.foreign_reads}")
+        elif int(self.foreign_reads.get("traced_first_decodes", 0)) < TRACED_SHARE * served:
+            out.append(f"the KV tracer saw {self.foreign_reads['traced_first_decodes']} first decode step(s) for "
+                       f"{served} request(s) served: under {TRACED_SHARE:.0%}, so 0 foreign reads proves nothing")
         if self.forged_control.get("accepted"):
             out.append(f"the control plane accepted {self.forged_control['accepted']} forged request(s): "
                        f"{self.forged_control['by_route']}")
         by = self.summary["by_outcome"]
-        for bad in ("oversized_served", "failed", "oversized_unanswered"):
+        for bad in ("oversized_served", "failed", "oversized_unanswered", "oversized_failed"):
             if by.get(bad):
                 out.append(f"{by[bad]} request(s) {bad}")
         if self.summary["refused_over_bound"]:
@@ -155,6 +162,10 @@ class SoakReport:
             if q["double_frees"]:
                 out.append(f"{role}: {q['double_frees']} page(s) freed twice")
         return out
+
+    def control_fired(self) -> bool:
+        """A vanilla run showed the harm the guards prevent: foreign KV rows read, or an oversized prompt served."""
+        return bool((self.foreign_reads or {}).get("rows")) or bool(self.summary["by_outcome"].get("oversized_served"))
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "violations": self.violations()}

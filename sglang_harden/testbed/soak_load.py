@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_harden.testbed import jsonl
+from sglang_harden.testbed.latewrite_trace import late_writes, write_counts, write_replayed
 from sglang_harden.testbed.soak_requests import Target, forge_control_requests, pool_of, send
 from sglang_harden.testbed.soak_spec import LATE_RID_PREFIX, LATE_TRIGGER, Outcome, SoakLoad, SoakTopology
 
@@ -25,19 +26,29 @@ class LateWriteLander:
     them in quarantine, so it lands in pages no one reads. With several decode nodes page ids repeat across
     them, so only a victim on the node that took the late request in counts (the tracer's ``admitted`` lines).
     Late writes must not overlap (one trigger file); the soak spaces them ``duration / (late_writes + 1)``
-    apart."""
+    apart. A write counts as landed only with a successful status (``latewrite_trace.write_landed``)."""
 
     def __init__(self, trace_dir: Path) -> None:
         self.trace_dir, self.trigger = trace_dir, trace_dir / LATE_TRIGGER
-        self.fired: dict[int, str] = {}  # late room -> the victim it landed for
+        self.triggered: dict[int, str] = {}  # late room -> the victim its write was made to land for
+
+    @property
+    def fired(self) -> dict[int, str]:
+        """Late room -> the victim its write landed for (a replay that failed is left out)."""
+        writes = late_writes(self.trace_dir, live=True)
+        return {room: rid for room, rid in self.triggered.items() if write_counts(writes, room)["late_writes_landed"]}
+
+    def counts(self) -> dict[str, int]:
+        """The late writes replayed so far: attempted, landed, failed."""
+        return write_counts(late_writes(self.trace_dir, live=True))
 
     def step(self) -> None:
-        writes = jsonl.read_folder(self.trace_dir, "latewrite-", live=True)
-        landed = {w.get("room") for w in writes if w.get("event") == "late_write"}
-        if self.trigger.exists() and all(room in landed for room in self.fired):
-            self.trigger.unlink(missing_ok=True)  # the last landing happened: ready for the next late write
+        writes = late_writes(self.trace_dir, live=True)
+        over = {w.get("room") for w in writes if write_replayed(w)}
+        if self.trigger.exists() and all(room in over for room in self.triggered):
+            self.trigger.unlink(missing_ok=True)  # the last replay happened: ready for the next late write
         pending = {w["room"]: float(w["t"]) for w in writes
-                   if w.get("event") == "engine_timeout" and w.get("room") not in landed | set(self.fired)}
+                   if w.get("event") == "engine_timeout" and w.get("room") not in over | set(self.triggered)}
         if not pending:
             return
         rid_of = {w.get("room"): str(w.get("rid")) for w in writes if w.get("event") == "room_learnt"}
@@ -49,7 +60,7 @@ class LateWriteLander:
             if victim is not None:
                 self.trigger.parent.mkdir(parents=True, exist_ok=True)
                 self.trigger.touch()
-                self.fired[room] = str(victim["rid"])
+                self.triggered[room] = str(victim["rid"])
                 return
 
     def _decodes_beside(self, late_rid: str | None) -> list[dict[str, Any]]:

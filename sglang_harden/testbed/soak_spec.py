@@ -15,7 +15,15 @@ LATE_TRIGGER = "late-write-now"  # in the trace folder: the shim lands a pending
 # SGLang's answer to a request whose KV transfer failed (a failed engine call fails its whole decode session on
 # Mooncake, so requests in flight beside an injected fault fail with it): an error, never someone else's KV
 TRANSFER_FAILED = re.compile(r"KVTransferError|Failed to get kvcache|could be dead|is not alive|transfer failed", re.I)
-REFUSED_STATUSES = range(400, 600)
+# a refusal counts only with a refusing guard's status and message: the admission doors and prefill's tokenizer
+# (400, SGLang's own "too long" or context messages, which the guards pass on), the lifecycle quarantine cap and the
+# capacity gate (503, ours); any other error on an oversized prompt (a crash's 500) is not a refusal
+REFUSALS = ((400, re.compile(r"exceeds the maximum allowed length|context length", re.I)),
+            (503, re.compile(r"sglang-harden|quarantin|capacity", re.I)))
+
+
+def is_refusal(status: int, error: str) -> bool:
+    return any(status == code and pattern.search(error or "") for code, pattern in REFUSALS)
 
 
 @dataclass(frozen=True)
@@ -114,9 +122,9 @@ class Outcome:
         if self.kind == "oversized":
             if self.status == 200:
                 return "oversized_served"
-            if self.status in REFUSED_STATUSES:
+            if is_refusal(self.status, self.error):
                 return "refused"
-            return "oversized_unanswered"
+            return "oversized_unanswered" if self.status < 400 else "oversized_failed"
         if self.status == 200 and self.tokens == self.wanted_tokens:
             return "ok"
         if self.faults_injected and self.status >= 400 and TRANSFER_FAILED.search(self.error):

@@ -3,6 +3,8 @@
 A release's tree comes from, in order: a testbed pin venv (``$SGLANG_HARDEN_HOME/venvs/<version>``), an
 unpacked wheel cached under ``$SGLANG_HARDEN_HOME/wheel-src/<version>``, or ``pip download --no-deps
 sglang==<version>`` (the package index pip is configured for), of which only ``sglang/**/*.py`` is unpacked.
+The pip is the running Python's, else its base interpreter's, else ``python3``'s on ``PATH``: a venv built by uv
+(every testbed pin venv) has no pip of its own.
 """
 
 from __future__ import annotations
@@ -32,9 +34,24 @@ def release_key(version: str) -> tuple[int, int, int, int]:
     return int(major), int(minor), int(micro), int(post) if post is not None else -1
 
 
+def pip_command() -> list[str]:
+    """``[python, "-m", "pip"]`` for the first interpreter here that has pip (see the module docstring)."""
+    candidates = [sys.executable, getattr(sys, "_base_executable", ""), shutil.which("python3") or "",
+                  "/usr/bin/python3"]
+    for python in dict.fromkeys(c for c in candidates if c):
+        try:
+            probe = subprocess.run([python, "-c", "import pip"], capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if probe.returncode == 0:
+            return [python, "-m", "pip"]
+    raise ReleaseUnavailable(f"no pip here: neither {sys.executable}, its base interpreter nor python3 on PATH has one "
+                             "(install pip for python3)")
+
+
 def index_releases(timeout_s: float = 120.0) -> list[str]:
     """Final releases of ``sglang`` on the package index, oldest first (``pip index versions``)."""
-    cmd = [sys.executable, "-m", "pip", "index", "versions", "sglang"]
+    cmd = [*pip_command(), "index", "versions", "sglang"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -67,7 +84,7 @@ def _download(version: str) -> Path:
     wheels = sorted(cache.glob(f"sglang-{version}-*.whl"))
     if wheels:
         return wheels[-1]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
+    cmd = [*pip_command(), "download", "--no-deps", "--only-binary", ":all:", "-q",
            f"sglang=={version}", "-d", str(cache)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

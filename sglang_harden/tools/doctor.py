@@ -460,8 +460,9 @@ def _print_matrix(results: Path) -> int:
         return EXIT_NO_SGLANG
     try:
         cells = matrix.load(results)
+        stale = matrix.stale_notes(results)
     except ValueError as exc:
         print(f"doctor --matrix: {exc}")
         return EXIT_NO_SGLANG
-    print(matrix.document(cells, default_patches_dir(), str(results)), end="")
+    print(matrix.document(cells, default_patches_dir(), str(results), stale), end="")
     return EXIT_OK

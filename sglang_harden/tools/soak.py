@@ -125,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
     ratios = soak_report.compare(reports[0], reports[1]) if args.compare else None
     _print(args, reports, ratios)
     judged = [r for r in reports if r.variant == "hardened"] or reports
+    if args.compare and not reports[0].control_fired():
+        print("soak --compare: the vanilla run showed no harm (no foreign KV read, no oversized prompt served), so "
+              "the hardened run's clean verdict shows nothing; add transfer faults (--late-writes) or use a pin "
+              "whose vanilla pair leaks", file=sys.stderr)
+        return 1
     return 1 if any(r.violations() for r in judged) else 0
 
 

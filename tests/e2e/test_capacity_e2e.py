@@ -54,7 +54,7 @@ def test_vanilla_advertises_a_context_its_pool_cannot_hold(pin: str, tmp_path: A
         assert "sglang_harden" not in states[0], states[0].keys()
 
 
-@pytest.mark.proves("plugin", "capacity")
+@pytest.mark.proves("plugin", "capacity", control="test_vanilla_advertises_a_context_its_pool_cannot_hold")
 def test_hardened_refuses_to_start(pin: str, tmp_path: Any) -> None:
     server = _server(pin, hardened=True, tmp_path=tmp_path)
     started = time.monotonic()
@@ -69,7 +69,7 @@ def test_hardened_refuses_to_start(pin: str, tmp_path: Any) -> None:
     assert time.monotonic() - started < 900
 
 
-@pytest.mark.proves("plugin", "capacity")
+@pytest.mark.proves("plugin", "capacity", control="test_vanilla_advertises_a_context_its_pool_cannot_hold")
 def test_hardened_clamp_starts_with_the_context_that_fits(pin: str, tmp_path: Any) -> None:
     with _server(pin, hardened=True, tmp_path=tmp_path, extra=["--harden-capacity", "clamp"]) as server:
         assert _advertised_context(server) == FITTING
@@ -78,7 +78,7 @@ def test_hardened_clamp_starts_with_the_context_that_fits(pin: str, tmp_path: An
         assert status == 400, body
 
 
-@pytest.mark.proves("patch", "capacity")
+@pytest.mark.proves("patch", "capacity", control="test_vanilla_advertises_a_context_its_pool_cannot_hold")
 def test_patched_clamp_starts_with_the_context_that_fits(pin: str, tmp_path: Any) -> None:
     """The backport series' capacity gate means what the plugin's does: clamp starts with the context that fits,
     advertises it, and refuses a longer prompt with 400."""

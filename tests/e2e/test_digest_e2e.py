@@ -158,13 +158,13 @@ def _decode_digest_time(pair: PDPair) -> dict[str, dict[str, float]]:
     return found
 
 
-@pytest.mark.proves("plugin", "checksum")
+@pytest.mark.proves("plugin", "checksum", control="self")
 def test_flipped_bit_is_caught(pairs: dict[str, PDPair]) -> None:
     _assert_vanilla_serves(pairs, _body("flip-v"), FLIP_ROOM)
     _assert_digest_aborts(pairs, _body("flip-h"), FLIP_ROOM, "KV digest mismatch")
 
 
-@pytest.mark.proves("plugin", "checksum")
+@pytest.mark.proves("plugin", "checksum", control="self")
 def test_unwritten_page_is_caught(pairs: dict[str, PDPair]) -> None:
     _assert_vanilla_serves(pairs, _body("unwritten-v", length=UNWRITTEN_LEN), UNWRITTEN_ROOM)
     canary_before = pairs["hardened"].decode.harden_decisions().get("canary:abort_logged", 0)
@@ -172,7 +172,7 @@ def test_unwritten_page_is_caught(pairs: dict[str, PDPair]) -> None:
     assert pairs["hardened"].decode.harden_decisions().get("canary:abort_logged", 0) == canary_before + 1
 
 
-@pytest.mark.proves("plugin", "checksum")
+@pytest.mark.proves("plugin", "checksum", control="self")
 def test_short_send_is_caught(pairs: dict[str, PDPair]) -> None:
     body = greedy_body(tenant_b_prompt(SETUP.b_len), 8, rid="digest-short")
     _assert_vanilla_serves(pairs, body, SHORT_ROOM)

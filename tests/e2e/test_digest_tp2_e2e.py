@@ -139,7 +139,7 @@ def test_clean_request_is_verified_on_both_ranks(pairs: OnePairAtATime) -> None:
     assert not after.get("checksum:abort") and not after.get("checksum:skip"), after
 
 
-@pytest.mark.proves("plugin", "checksum")
+@pytest.mark.proves("plugin", "checksum", control="test_vanilla_serves_a_bit_flipped_on_one_rank")
 def test_mismatch_on_one_rank_aborts_on_both_within_a_bound(pairs: OnePairAtATime) -> None:
     hardened = pairs["hardened"]
     before = hardened.decode.harden_decisions().get("checksum:abort", 0)

@@ -46,7 +46,7 @@ from sglang_harden.testbed.incident import (
 )
 from sglang_harden.testbed.jsonl import read_folder
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
-from sglang_harden.testbed.latewrite_trace import late_writes
+from sglang_harden.testbed.latewrite_trace import late_writes, write_counts, write_replayed
 from sglang_harden.testbed.patched_bootstrap import registration
 from sglang_harden.testbed.pd_topology import PDPair, stop_together
 from sglang_harden.testbed.server import Server
@@ -222,7 +222,10 @@ def _require_front_answers(pin: str) -> None:
         pytest.skip(f"{pin}: the HTTP fronts answer refusals themselves with the 0.5 adapter only (README, Limits)")
 
 
-@pytest.mark.proves("plugin", "admission")
+@pytest.mark.proves(
+    "plugin", "admission",
+    control="tests/e2e/test_paged_profile_e2e.py::test_vanilla_behaviour_on_paged_kv",
+)
 def test_oversized_prompt_rejected_at_both_doors_direct(pairs: PairFactory, pin: str) -> None:
     pair = pairs("hardened")
     b = _send_a_then_b(pair, "direct")
@@ -234,7 +237,10 @@ def test_oversized_prompt_rejected_at_both_doors_direct(pairs: PairFactory, pin:
     assert not _decode_generated_for(pair, "direct-B"), "decode ran a decode step for the rejected request"
 
 
-@pytest.mark.proves("plugin", "admission")
+@pytest.mark.proves(
+    "plugin", "admission",
+    control="tests/e2e/test_paged_profile_e2e.py::test_vanilla_behaviour_on_paged_kv",
+)
 def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) -> None:
     pair = pairs("hardened")
     started = time.monotonic()
@@ -247,7 +253,10 @@ def test_oversized_prompt_rejected_through_router(pairs: PairFactory, pin: str) 
     assert not _decode_generated_for(pair, "router-B")
 
 
-@pytest.mark.proves("plugin", "abort_notify")
+@pytest.mark.proves(
+    "plugin", "abort_notify",
+    control="tests/e2e/test_incident.py::test_front_door_refusal_leaves_decode_holding",
+)
 def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: str) -> None:
     """Prefill's tokenizer refuses the prompt (longer than the context) before its scheduler sees it; decode,
     holding a reservation for the same room, acts on prefill's notice within 1 s of the refusal (the servers' own
@@ -269,7 +278,6 @@ def test_front_door_refusal_releases_decode_promptly(pairs: PairFactory, pin: st
     assert not state.get("lifecycle") or state["lifecycle"].get("quarantined_pages") == 0, state
 
 
-@pytest.mark.proves("plugin", "abort_notify")
 def test_refusal_reaches_a_decode_whose_pool_is_busy(pairs: PairFactory, pin: str) -> None:
     """A holder request reaches decode first and takes most of its pool while it waits for its KV, so B waits in
     decode's preallocation queue with its handshake done. Up to 0.5.22 SGLang skips polling that queue while
@@ -341,7 +349,6 @@ def test_refusal_answered_while_prefill_scheduler_is_stalled(pairs: PairFactory,
     assert nudge["r"].prefill.ok and nudge["r"].decode.ok, (nudge["r"].prefill.summary(), nudge["r"].decode.summary())
 
 
-@pytest.mark.proves("plugin", "lifecycle")
 def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFactory, pin: str) -> None:
     """A's engine call gives up (prefill marks A's decode session failed) while its bytes may still land; C, queued
     behind A for the same decode session, is failed without a byte of it written. Decode must quarantine A's pages
@@ -371,9 +378,15 @@ def test_rooms_failed_behind_a_failed_write_are_not_quarantined(pairs: PairFacto
     assert c_room not in quarantined, ("C's pages were quarantined though nothing of C was written", quarantined)
     state = _wait_pool_full(pair.decode, timeout=LATE_DELAY_S + LATE_LIFETIME_S + 30)
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"], state
+    # the fault fired: A's held write was replayed (landed or failed, counted apart), so the quarantine held
+    # pages a write was still aimed at
+    _wait_for_trace(pair.log_dir / "kvtrace", "latewrite-",
+                    lambda e: write_replayed(e) and e.get("room") == LATE_ROOM, timeout=LATE_DELAY_S + 30)
+    counts = write_counts(late_writes(pair.log_dir / "kvtrace"), LATE_ROOM)
+    _say(f"{pin}: A's late write {counts}")
+    assert counts["late_writes_attempted"] >= 1, counts
 
 
-@pytest.mark.proves("plugin", "lifecycle")
 def test_abort_crossing_the_success_gets_its_drain_ack(pairs: PairFactory, pin: str) -> None:
     """Decode gives up on R (its client went away) just as prefill concludes R: prefill has marked R's transfer a
     Success, but its worker still counts R's chunk in flight and decode has not heard of the Success yet. Decode
@@ -483,7 +496,7 @@ def _bootstrap_call(port: int, method: str, target: str, body: bytes, headers: d
         return int(exc.code)
 
 
-@pytest.mark.proves("plugin", "bootstrap_auth")
+@pytest.mark.proves("plugin", "bootstrap_auth", control="test_vanilla_control_plane_serves_callers_without_the_secret")
 def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pin: str) -> None:
     """The testbed gives every hardened server its control-plane secret file. While a victim request is in
     flight (direct, on a room we chose, and through sglang-router), a caller without the secret gets 401 on every
@@ -533,7 +546,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
     assert after.decode.ok and after.decode.output_ids == reference.decode.output_ids, "the route table held"
 
 
-@pytest.mark.proves("plugin", "bootstrap_auth")
+@pytest.mark.proves("plugin", "bootstrap_auth", control="test_vanilla_control_plane_serves_callers_without_the_secret")
 def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) -> None:
     """Rotate the control-plane secret node by node, in place, as README says: add the next secret second
     everywhere, make it first everywhere, then drop the old one. Requests keep coming, and every one is served.
@@ -569,6 +582,15 @@ def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) 
         runner.join(120)
     assert statuses and set(statuses) == {200}, statuses
     assert "re-read" in pair.prefill.log_text(), "prefill's bootstrap server picked up each change"
+    from sglang_harden.guards.bootstrap_auth import HEADER, parse_secrets, sign
+
+    port = pair.prefill.bootstrap_port
+    assert port is not None
+    target = f"/pd_rejections?rooms={4_343_000 + len(pin)}"
+    signed_by = {key: {HEADER: sign(parse_secrets(key), "GET", f"127.0.0.1:{port}", target, b"")} for key in (old, new)}
+    assert _bootstrap_call(port, "GET", target, b"", signed_by[old]) == 401, "the retired secret still signs"
+    assert _bootstrap_call(port, "GET", target, b"", {HEADER: "sgh1.forged"}) == 401, "a forged token is served"
+    assert _bootstrap_call(port, "GET", target, b"", signed_by[new]) == 200, "the new secret does not sign"
 
 
 def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
@@ -592,14 +614,20 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
     assert counters.get("admission", {}).get("reject", 0) >= 1, counters
 
 
-@pytest.mark.proves("plugin", "coverage")
-def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
-    """Auto-truncate: prefill sends KV for 250 tokens, decode reserved 300. Vanilla serves it; hardened aborts."""
-    body = greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="trunc-B")
-    vanilla = pairs("vanilla-truncate")
-    v = vanilla.generate(body, timeout=SETUP.waiting_timeout_s + 60)
+def test_vanilla_serves_a_short_send(pairs: PairFactory, pin: str) -> None:
+    """The coverage guard's control: prefill (auto-truncate) sends KV for 250 of the 300 tokens decode reserved, and
+    vanilla decode generates over the 50 rows it never received."""
+    body = greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="trunc-B-vanilla")
+    v = pairs("vanilla-truncate").generate(body, timeout=SETUP.waiting_timeout_s + 60)
     assert v.prefill.ok, v.prefill.summary()
     assert v.decode.ok and v.decode.output_ids, ("vanilla no longer serves a short send", v.decode.summary())
+
+
+@pytest.mark.proves("plugin", "coverage", control="test_vanilla_serves_a_short_send")
+def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
+    """Auto-truncate: prefill sends KV for 250 tokens, decode reserved 300. Vanilla serves it (the control,
+    test_vanilla_serves_a_short_send); hardened aborts."""
+    body = greedy_body(tenant_b_prompt(SETUP.b_len), SETUP.new_tokens, rid="trunc-B")
     hardened = pairs("hardened-truncate")
     h = hardened.generate(body, timeout=SETUP.waiting_timeout_s + 60)
     _assert_decode_refused(h.decode, "prefill sent KV for 250 tokens but decode reserved 300", pin)
@@ -609,7 +637,7 @@ def test_short_send_caught_by_coverage(pairs: PairFactory, pin: str) -> None:
     assert state.get("available_tokens", 0) + state.get("evictable_tokens", 0) == state["max_total_num_tokens"], state
 
 
-@pytest.mark.proves("plugin", "retire")
+@pytest.mark.proves("plugin", "retire", control="self")
 def test_request_aborted_before_final_send_is_retired(pairs: PairFactory, pin: str) -> None:
     """Prefill aborts a request after its forward, before the final KV send (test hook). Vanilla <= 0.5.19 still
     sends the KV and "transfer complete" and decode generates for a request prefill gave up on; 0.5.20+ skips
@@ -668,3 +696,15 @@ def test_normal_requests_unchanged(pairs: PairFactory, pin: str) -> None:
         outputs[kind] = [r.decode.output_ids for r in results]
     assert outputs["vanilla-truncate"] == outputs["hardened-truncate"]
 
+
+def test_vanilla_control_plane_serves_callers_without_the_secret(pairs: PairFactory, pin: str) -> None:
+    """The bootstrap_auth guard's control (last: the forged rank registration stays in this pair's table): the
+    same forged requests to a vanilla prefill's bootstrap port are served, the rank registration and the route
+    table read among them."""
+    pair = pairs("vanilla-truncate")
+    port = pair.prefill.bootstrap_port
+    assert port is not None
+    forged = _forged_control_requests(4_444_000 + len(pin))
+    statuses = {f"{method} {target}": _bootstrap_call(port, method, target, data) for method, target, data in forged}
+    assert 401 not in statuses.values(), statuses
+    assert statuses["PUT /route"] == 200 and statuses[f"GET {ROUTE_TABLE_QUERY}"] == 200, statuses

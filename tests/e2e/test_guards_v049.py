@@ -127,7 +127,7 @@ def test_vanilla_serves_b_over_pages_it_never_received(run: Any) -> None:
         assert b["decode"]["prompt_tokens"] == 300
 
 
-@pytest.mark.proves("plugin", "admission")
+@pytest.mark.proves("plugin", "admission", control="test_vanilla_serves_b_over_pages_it_never_received")
 def test_hardened_rejects_b_with_the_original_error_on_both_halves(run: Any) -> None:
     for b in _measured_b(run("hardened")):
         assert b["prefill"]["status"] == 400 and TOO_LONG in b["prefill"]["error"], b
@@ -161,7 +161,7 @@ def test_normal_requests_identical_vanilla_vs_hardened(run: Any) -> None:
     assert hardened == vanilla
 
 
-@pytest.mark.proves("plugin", "coverage")
+@pytest.mark.proves("plugin", "coverage", control="test_vanilla_serves_b_over_pages_it_never_received")
 def test_coverage_refuses_a_short_transfer(run: Any) -> None:
     """Auto-truncate: prefill sends 250 tokens of KV, decode reserved 300; decode must not generate."""
     res = run("hardened-truncate")

@@ -133,7 +133,7 @@ def test_nixl_backend_same_upstream_behaviour(require_pin: Any, tmp_path: Path, 
         assert res["verdict"].startswith("rejected; decode held")
 
 
-@pytest.mark.proves("plugin", "admission")
+@pytest.mark.proves("plugin", "admission", control="test_nixl_backend_same_upstream_behaviour")
 @pytest.mark.parametrize("pin", NIXL_PINS)
 def test_nixl_backend_hardened(require_pin: Any, tmp_path: Path, pin: str) -> None:
     """Hardened over NIXL: both schedulers start with the page ledger fed from NIXL's receiver/manager, A is

@@ -9,15 +9,17 @@ freed pages are reused at once). With NIXL the post of A's KV transfer returns E
 (prefill fails A, tells decode and, on 0.5.23, "poisons" A's drain ack) while the same handle is posted for real
 when a victim decodes. Per pin (0.5.19 and 0.5.23 first) and backend:
 
-- vanilla: at least one victim's prompt KV changes while it decodes, or its greedy output differs from the
-  quiet-server reference (0.5.19 frees at once; 0.5.23 waits for a drain ack that prefill sends as soon as its
+- vanilla: A's write landed (the shim's replay reported success) and rows of a victim's prompt KV changed while it
+  decoded (``context_rows_changed`` > 0: the harm itself, not only a greedy output that differs from the
+  quiet-server reference) (0.5.19 frees at once; 0.5.23 waits for a drain ack that prefill sends as soon as its
   worker moved on, or for the lowered deferred-release timeout; NIXL 0.5.23 sends no ack for a poisoned room and
   releases at that timeout);
 - hardened: 0 corrupted victims, every decode page back at quiesce (nothing left in quarantine), and the
   request whose page was deliberately mis-owned (``misown`` test hook) is aborted with 500, never generated.
   On NIXL the quarantined pages leave on prefill's drain ack, sent once the failed write's lifetime passed.
-  The clean verdict is checked against its own evidence: all of A's pages were quarantined (decode's decision
-  lines), the write landed by the named rule while a victim decoded, no victim decoded over one of A's pages
+  The clean verdict is checked against its own evidence: the fault fired (A's write was replayed and landed, a
+  successful status), all of A's pages were quarantined (decode's decision lines), the write landed by the named
+  rule while a victim decoded, no victim decoded over one of A's pages
   before it landed, and the KV tracer judged every served victim.
 
 One pair runs at a time and is always stopped (``run_late_write``).
@@ -26,6 +28,7 @@ One pair runs at a time and is always stopped (``run_late_write``).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,32 +58,45 @@ def results(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     root: Path = tmp_path_factory.mktemp(f"latewrite-{version}-{backend}-{profile}")
     setup = setup_for(profile, backend)
     results = {v: run_late_write(version, v == "hardened", root / v, setup) for v in ("vanilla", "hardened")}
-    vanilla = results["vanilla"]
-    if not (vanilla["late_write_landed"] and vanilla["corrupted_requests"] >= 1):
+    if not _vanilla_harmed(results["vanilla"]):
         # On a host loaded enough that pairs boot in 4 minutes, no victim may be handed A's pages before the
         # shim's delay ends and the write lands on its own: one more try.
         results["vanilla"] = {**run_late_write(version, False, root / "vanilla-retry", setup), "attempts": 2}
+    for variant, res in results.items():
+        print(f"[lifecycle-e2e] {pin} {variant}: late writes {res['late_writes_landed']} landed of "
+              f"{res['late_writes_attempted']} attempted ({res['late_writes_failed']} failed), context rows changed "
+              f"{res['context_rows_changed']}, corrupted {res['corrupted_requests']} of {res['served_requests']}",
+              file=sys.stderr, flush=True)
     return results
 
 
+def _vanilla_harmed(res: dict[str, Any]) -> bool:
+    return res["late_writes_landed"] >= 1 and res["context_rows_changed"] > 0 and res["corrupted_requests"] >= 1
+
+
 def test_vanilla_late_write_corrupts_a_later_request(results: dict[str, dict[str, Any]]) -> None:
+    """The control: A's write landed (a successful status, not only replayed) and changed rows of a victim's
+    prompt KV while it decoded."""
     res = results["vanilla"]
-    assert res["late_write_landed"], res
-    assert res["corrupted_requests"] >= 1, res
+    assert res["late_writes_landed"] >= 1, _brief(res)
+    assert res["context_rows_changed"] > 0, _brief(res)
+    assert res["corrupted_requests"] >= 1, _brief(res)
 
 
 def _brief(res: dict[str, Any]) -> str:
     """What a failed assertion needs to be diagnosed from CI output alone (pytest cuts long dict reprs)."""
-    keys = ("late_write_t_rel", "late_write_triggered_by", "late_write_trigger_reason", "victims",
-            "corrupted_requests", "a_pages_quarantined", "handed_a_pages_before_write_landed", "tracer_gaps",
-            "pages_back_at_quiesce", "decode_pool", "log_dir")
+    keys = ("late_writes_attempted", "late_writes_landed", "late_writes_failed", "late_write_t_rel",
+            "late_write_triggered_by", "late_write_trigger_reason", "victims", "corrupted_requests",
+            "context_rows_changed", "a_pages_quarantined", "handed_a_pages_before_write_landed", "tracer_gaps",
+            "pages_back_at_quiesce", "decode_pool", "log_dir", "attempts")
     return json.dumps({k: res.get(k) for k in keys}, default=str)
 
 
-@pytest.mark.proves("plugin", "lifecycle")
+@pytest.mark.proves("plugin", "lifecycle", control="test_vanilla_late_write_corrupts_a_later_request")
 def test_hardened_no_corruption_and_pages_back(results: dict[str, dict[str, Any]]) -> None:
     res = results["hardened"]
-    assert res["late_write_landed"], _brief(res)
+    assert res["late_writes_attempted"] >= 1, _brief(res)  # the fault fired: "0 corrupted" is not vacuous
+    assert res["late_writes_landed"] >= 1, _brief(res)
     assert res["served_requests"] >= 1, _brief(res)
     assert res["corrupted_requests"] == 0, _brief(res)
     assert res["pages_back_at_quiesce"], _brief(res)
@@ -99,7 +115,6 @@ def test_hardened_oracles_saw_what_they_judge(results: dict[str, dict[str, Any]]
     assert lifecycle["quarantined_pages"] == 0, lifecycle
 
 
-@pytest.mark.proves("plugin", "page_tags")
 def test_hardened_misowned_page_is_aborted_not_generated(results: dict[str, dict[str, Any]]) -> None:
     misowned = results["hardened"]["misowned_page_request"]
     assert misowned["status"] == 500, misowned

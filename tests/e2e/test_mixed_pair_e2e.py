@@ -165,7 +165,6 @@ def test_patched_decode_verifies_the_plugin_prefills_digests(mixed: Any, pin: st
     assert "sglang-harden checksum abort" not in run["logs"]["decode"]
 
 
-@pytest.mark.proves("plugin", "page_tags")
 @pytest.mark.parametrize("pin", PINS)
 def test_page_tags_guard_alone_with_lifecycle_off(mixed: Any, pin: str) -> None:
     run = mixed(pin, "patched-prefill")

@@ -25,6 +25,11 @@ Rounds: a warm-up, then tenant A seeds (1, 2), each round A then the oversized B
   radix hits sent early);
 - a prompt prefill's front door (tokenizer validation) refuses while decode holds a reservation for it: vanilla
   decode hears nothing and waits out its timeout; hardened decode is told and answers 400 within the bound;
+- a room decode gives up on by its waiting timeout while prefill never got the request (no sender, no write ever
+  started; decode's half only, holding most of decode's pool): the next request needs those pages and must not
+  wait. Vanilla answers it at once on every pin; hardened too (issue 40 (b): on 0.5.19 the lifecycle guard switches
+  SGLang's deferred release on, whose timeout's abort notice never arms SGLang's ack count, so the pages were held
+  for its 30 s timeout; the guard's own drain evidence now ends the hold, a counted lifecycle release);
 - last (it leaves the pool inconsistent): SGLang's own page table points one prompt page of a request at a page in
   the allocator's free list (``kvfault`` ``table``): vanilla decodes over rows another request left there (the
   KV tracer), the hardened page-tag check aborts it at the commit.
@@ -35,13 +40,14 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.client import PairResult, greedy_body
+from sglang_harden.testbed.client import PairResult, generate, greedy_body
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
     IncidentSetup,
@@ -71,6 +77,13 @@ UNWRITTEN_LEN = 40
 TABLE_ROOM = 991_000_001
 # ... and one bit of one received KV row of the request in room FLIP_ROOM is flipped before decode commits it.
 FLIP_ROOM = 991_000_002
+# A request only decode gets (prefill never hears of it: no sender, no write ever started), holding most of decode's
+# pool (400 tokens, 25 pages) until its waiting timeout; the next request (13 pages) fits only once those are back.
+ORPHAN_ROOM, ORPHAN_LEN, AFTER_ORPHAN_LEN = 991_000_003, 240, 200
+# SGLang's deferred release holds a room it is not told drained for 30 s; a request that waited for it is far above
+NEXT_REQUEST_BOUND_S = 15.0
+# pins whose waiting timeout sends decode's abort notice without arming SGLang's own ack count (0.5.19, 0.5.20)
+UNARMED_TIMEOUT_NOTICE_PINS = ("0.5.19", "0.5.20")
 FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES},table:{TABLE_ROOM},flip:{FLIP_ROOM}"}
 TOO_LONG = "exceeds the maximum allowed length"
 FRONT_DOOR_BOUND_S = 5.0  # README: decode answers a refusal at prefill's front door within 5 s
@@ -115,6 +128,7 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
                                   timeout=SETUP.waiting_timeout_s + 120)
         decisions = pair.decode.harden_decisions() if hardened else {}
         door = front_door_round(pair, SETUP, tag=f"{'hardened' if hardened else 'vanilla'}-")
+        orphan = _orphan_round(pair, hardened) if backend == "mooncake" else None
         quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
         table = pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
                               timeout=SETUP.waiting_timeout_s + 120)
@@ -126,12 +140,32 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
               for line in path.read_text().splitlines() if line.strip()]
     return {"args": args, "rounds": rounds, "repeats": repeats, "unwritten": unwritten, "decisions": decisions,
             "flip": flip, "before_flip": before_flip, "flip_decisions": decision_delta(before_flip, after_flip),
-            "front_door": door,
+            "front_door": door, "orphan": orphan,
             "quiesce": quiesce, "prefill_log": pair.prefill.log_text(), "table": table,
             "table_decisions": decision_delta(decisions, table_decisions),
             "table_fault": [f for f in faults if f.get("event") == "table_fault"],
             "table_first_decode": next((e for e in trace if e.get("event") == "first_decode"
                                         and e.get("rid") == "table-fault"), None)}
+
+
+def _orphan_round(pair: Any, hardened: bool) -> dict[str, Any]:
+    """Decode's half of a request prefill never gets: decode gives up on it at its waiting timeout. Then a request
+    that needs the pages it held, timed from that answer."""
+    assert pair.prefill.bootstrap_port is not None
+    before = pair.decode.harden_decisions() if hardened else {}
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.prefill.bootstrap_port, "bootstrap_room": ORPHAN_ROOM}
+    body = {**greedy_body(tenant_a_prompt(41, ORPHAN_LEN), 4, rid="orphan"), **boot}
+    given_up = generate(pair.decode.url, body, timeout=SETUP.waiting_timeout_s + 120)
+    started = time.monotonic()
+    after = pair.generate(greedy_body(tenant_a_prompt(42, AFTER_ORPHAN_LEN), 4, rid="after-orphan"), timeout=120)
+    elapsed = time.monotonic() - started
+    decisions = decision_delta(before, pair.decode.harden_decisions()) if hardened else {}
+    timed_out = f"Deferred KV release for room {ORPHAN_ROOM} timed out"
+    held = [line for line in pair.decode.log_text().splitlines() if timed_out in line]
+    _say(f"orphan round ({'hardened' if hardened else 'vanilla'}): decode gave up after {given_up.elapsed_s:.1f} s "
+         f"({given_up.status}); the next request took {elapsed:.2f} s ({after.decode.status}); decisions {decisions}")
+    return {"given_up": given_up.summary(), "next": after.decode.summary(), "next_elapsed_s": round(elapsed, 2),
+            "decisions": decisions, "released_at_timeout": held}
 
 
 def _serving_args(info: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +226,7 @@ def test_vanilla_behaviour_on_paged_kv(pin: str, runs: dict[str, dict[str, Any]]
         assert first.b.decode.status != 200, _brief(rounds)
 
 
-@pytest.mark.proves("plugin", "admission")
+@pytest.mark.proves("plugin", "admission", control="test_vanilla_behaviour_on_paged_kv")
 def test_hardened_refuses_b_at_both_doors(runs: dict[str, dict[str, Any]]) -> None:
     rounds = runs["hardened"]["rounds"]
     assert len(rounds) == 1 + len(SETUP.a_seeds), _brief(rounds)
@@ -209,7 +243,7 @@ def test_hardened_answers_a_like_vanilla(runs: dict[str, dict[str, Any]]) -> Non
         assert v.a.decode.output_ids == h.a.decode.output_ids, (v.index, v.a.decode.summary(), h.a.decode.summary())
 
 
-@pytest.mark.proves("plugin", "canary")
+@pytest.mark.proves("plugin", "canary", control="self")
 def test_unwritten_page_served_by_vanilla_refused_by_the_canary(runs: dict[str, dict[str, Any]]) -> None:
     """A transfer that skipped one reserved page and reported success: vanilla decode generates over the page's
     old content; hardened decode (the canary in its default mode, ``enforce``) aborts before the
@@ -229,7 +263,7 @@ def test_hardened_pools_full_and_ledger_clean(runs: dict[str, dict[str, Any]]) -
     assert ledger.get("pages_not_free_in_ledger") == 0 and ledger.get("quarantined_pages") == 0, quiesce
 
 
-@pytest.mark.proves("plugin", "page_tags")
+@pytest.mark.proves("plugin", "page_tags", control="self")
 def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags(
     runs: dict[str, dict[str, Any]],
 ) -> None:
@@ -248,7 +282,7 @@ def test_page_table_pointing_at_a_free_page_read_by_vanilla_refused_by_page_tags
     assert hardened["table_first_decode"] is None, hardened["table_first_decode"]
 
 
-@pytest.mark.proves("plugin", "checksum")
+@pytest.mark.proves("plugin", "checksum", control="self")
 def test_flipped_bit_served_by_vanilla_found_by_the_digest(runs: dict[str, dict[str, Any]]) -> None:
     """One bit of one received KV row flipped before the commit: vanilla decodes over it; the hardened digest
     (``log`` mode here) tells that request's KV from what prefill sent, and found no clean request's different."""
@@ -262,7 +296,7 @@ def test_flipped_bit_served_by_vanilla_found_by_the_digest(runs: dict[str, dict[
     assert before.get("checksum:allow", 0) >= len(SETUP.a_seeds), before
 
 
-@pytest.mark.proves("plugin", "abort_notify")
+@pytest.mark.proves("plugin", "abort_notify", control="self")
 def test_front_door_refusal_held_by_vanilla_told_to_hardened(runs: dict[str, dict[str, Any]]) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context while decode holds a reservation for the
     same room: vanilla decode hears nothing and waits out its timeout; hardened decode answers prefill's 400
@@ -274,3 +308,26 @@ def test_front_door_refusal_held_by_vanilla_told_to_hardened(runs: dict[str, dic
     assert vanilla["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, vanilla
     assert hardened["decode_status"] == 400 and "context length" in (hardened["decode_error"] or ""), hardened
     assert hardened["decode_elapsed_s"] < FRONT_DOOR_BOUND_S and not hardened["decode_generated"], hardened
+
+
+def test_room_decode_gave_up_on_before_any_write_is_released_at_once(pin: str, runs: dict[str, dict[str, Any]]) -> None:
+    """Issue 40 (b), a liveness check of the guard itself (not a proof of it: vanilla never held these pages), on
+    the Mooncake cases (the hold is decode's, whatever the backend; CI time). Decode gives up on a room at its
+    waiting timeout; prefill never had the request (no sender, no write ever started). The next request, which
+    needs the pages decode held for it, is answered without waiting: vanilla (same pin, same scenario) and hardened
+    alike. On 0.5.19 the hardened hold used to last SGLang's 30 s
+    deferred-release timeout (the guard switches that release on; the timeout's abort notice never arms SGLang's own
+    ack count there): now the guard's own drain evidence ends it, counted as a lifecycle release, and SGLang's
+    timeout never fires. Without that release the hardened next request waited 33.6 s on 0.5.19 (vanilla 0.8 s)."""
+    if runs["hardened"]["orphan"] is None:
+        pytest.skip(f"{pin}: the orphan round runs on the Mooncake cases")
+    for variant in ("vanilla", "hardened"):
+        orphan = runs[variant]["orphan"]
+        assert orphan["given_up"]["status"] == 500 and "timed out" in (orphan["given_up"]["error"] or ""), (
+            variant, orphan)
+        assert orphan["given_up"]["elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, (variant, orphan)
+        assert orphan["next"]["status"] == 200, (variant, orphan)
+        assert orphan["next_elapsed_s"] < NEXT_REQUEST_BOUND_S, (variant, orphan)
+        assert orphan["released_at_timeout"] == [], (variant, orphan)
+    if pin.split("/")[0] in UNARMED_TIMEOUT_NOTICE_PINS:  # SGLang's own count never ends the hold there
+        assert runs["hardened"]["orphan"]["decisions"].get("lifecycle:release", 0) >= 1, runs["hardened"]["orphan"]

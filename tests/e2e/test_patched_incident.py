@@ -127,11 +127,13 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
             b = rounds[-1].b
             _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
                       f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
-        front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant == "patched" else None
+        front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant in ("patched", "vanilla") else None
         tools = _operator_tools(pair) if variant == "vanilla" else {}
         unwritten = _unwritten_page(pair) if faulty else None
         flipped = _flipped_bit(pair) if faulty else None
         table = _mis_owned_page(pair) if faulty else None
+        if variant == "vanilla":  # the control of the authenticated series: last, the forged rank stays registered
+            attacks = _attack(pair)
         logs = {"prefill": pair.prefill.log_text(), "decode": pair.decode.log_text()}
     finally:
         pair.stop()
@@ -172,9 +174,9 @@ def _table_evidence(trace_dir: Path) -> dict[str, Any]:
 
 
 def _attack(pair: PDPair) -> list[tuple[str, int]]:
-    """An attacker without the secret, before the rounds: register itself as prefill's rank 0 (had it worked,
-    decode would fetch KV from 127.0.0.2 and every round would fail), post a rejection notice for a room, read
-    the notices and the rank table. Each (request, status)."""
+    """An attacker without the secret (on the patched pair before the rounds, on vanilla after everything else):
+    register itself as prefill's rank 0 (had it worked, decode would fetch KV from 127.0.0.2 and every round would
+    fail), post a rejection notice for a room, read the notices and the rank table. Each (request, status)."""
     forged_rank = dict(registration(1), rank_ip="127.0.0.2")
     forged = [("PUT", "/route", json.dumps(forged_rank).encode()),
               ("PUT", "/pd_rejections", json.dumps({"room": 1, "status_code": 400, "message": "forged"}).encode()),
@@ -232,7 +234,39 @@ def incident(require_pin: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-@pytest.mark.proves("patch", "admission")
+@pytest.mark.parametrize("pin", PINS)
+def test_vanilla_pair_serves_or_holds_b(incident: Any, pin: str) -> None:
+    """The admission control: on a release that leaks, vanilla decode serves B over rows of A's KV; from 0.5.20
+    prefill refuses B but decode, never told, holds B's reservation until its waiting timeout."""
+    for rnd in incident(pin, "vanilla")["rounds"]:
+        b = rnd.b
+        if load_pins()[pin].incident == "leak":
+            assert b.decode.status == 200 and b.decode.output_ids and rnd.a_rows_read_by_b > 0, rnd.to_dict()
+        else:
+            assert b.prefill.status == 400 and b.decode.status != 200, rnd.to_dict()
+            assert b.decode.elapsed_s >= 0.8 * SETUP.waiting_timeout_s, rnd.to_dict()
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_vanilla_decode_holds_a_front_door_refusal(incident: Any, pin: str) -> None:
+    """The abort notice's control: prefill's tokenizer refuses the prompt, and vanilla decode, holding the room's
+    reservation, hears nothing and waits out its timeout."""
+    door = incident(pin, "vanilla")["front_door"]
+    assert door["prefill"]["status"] == 400, door
+    assert door["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, door
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_vanilla_control_plane_serves_the_attacker(incident: Any, pin: str) -> None:
+    """The control-plane authentication's control: vanilla's bootstrap server serves the same forged requests,
+    the rank registration and the route table among them."""
+    attacks = dict(incident(pin, "vanilla")["attacks"])
+    assert attacks and 401 not in attacks.values(), attacks
+    assert attacks["PUT /route"] == 200, attacks
+    assert next(status for request, status in attacks.items() if request.startswith("GET /route?")) == 200, attacks
+
+
+@pytest.mark.proves("patch", "admission", control="test_vanilla_pair_serves_or_holds_b")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_tree_rejects_b_at_prefill_and_decode(incident: Any, pin: str) -> None:
     for rnd in incident(pin, "patched")["rounds"]:
@@ -248,7 +282,7 @@ def test_patched_code_runs_in_the_servers(incident: Any, pin: str) -> None:
     assert "pd_rejections: prefill" in logs["decode"]
 
 
-@pytest.mark.proves("patch", "bootstrap_auth")
+@pytest.mark.proves("patch", "bootstrap_auth", control="test_vanilla_control_plane_serves_the_attacker")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_control_plane_refuses_an_attacker(incident: Any, pin: str) -> None:
     """With a secret file, the patched bootstrap server refuses every request of a caller without the secret
@@ -296,7 +330,7 @@ def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
 
 
-@pytest.mark.proves("patch", "abort_notify")
+@pytest.mark.proves("patch", "abort_notify", control="test_vanilla_decode_holds_a_front_door_refusal")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context before any scheduler sees it. The series posts
@@ -311,7 +345,7 @@ def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> No
     assert not door["decode_generated"], door
 
 
-@pytest.mark.proves("patch", "coverage")
+@pytest.mark.proves("patch", "coverage", control="tests/e2e/test_guards_e2e.py::test_vanilla_serves_a_short_send")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_coverage_refuses_a_short_transfer(incident: Any, pin: str) -> None:
     """Prefill with --allow-auto-truncate serves B truncated to its limit (no rejection, so the doors and the
@@ -360,7 +394,7 @@ def _patched_variant(backend: str) -> str:
     return "patched" if backend == "mooncake" else f"patched-{backend}"
 
 
-@pytest.mark.proves("patch", "page_tags")
+@pytest.mark.proves("patch", "page_tags", control="self")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_page_tags_refuse_a_mis_owned_page(incident: Any, pin: str, backend: str) -> None:
@@ -379,7 +413,7 @@ def test_patched_page_tags_refuse_a_mis_owned_page(incident: Any, pin: str, back
     assert "sglang-harden page_tags abort: rid=table-fault" in patched["logs"]["decode"]
 
 
-@pytest.mark.proves("patch", "canary")
+@pytest.mark.proves("patch", "canary", control="self")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_canary_refuses_an_unwritten_page(incident: Any, pin: str, backend: str) -> None:
@@ -394,7 +428,7 @@ def test_patched_canary_refuses_an_unwritten_page(incident: Any, pin: str, backe
     assert "sglang-harden canary abort: rid=unwritten-page" in patched["logs"]["decode"]
 
 
-@pytest.mark.proves("patch", "checksum")
+@pytest.mark.proves("patch", "checksum", control="self")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_digest_refuses_a_flipped_bit(incident: Any, pin: str, backend: str) -> None:
@@ -416,7 +450,7 @@ def test_patched_digest_refuses_a_flipped_bit(incident: Any, pin: str, backend: 
     assert "sglang-harden checksum skip" not in patched["logs"]["decode"], "a clean transfer was not compared"
 
 
-@pytest.mark.proves("patch", "admission")
+@pytest.mark.proves("patch", "admission", control="test_vanilla_pair_serves_or_holds_b")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_nixl_pair_refuses_b_and_serves_a(incident: Any, pin: str) -> None:
     """The same series over NIXL: every B refused by prefill and decode, A answered exactly as by vanilla (Mooncake)

@@ -62,7 +62,7 @@ from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.envs import get_recipe, require_env
 from sglang_harden.testbed.incident import KVTRACE_ENV, tenant_a_prompt
 from sglang_harden.testbed.latewrite import LATE_WRITE_ENV
-from sglang_harden.testbed.latewrite_trace import await_send, landed
+from sglang_harden.testbed.latewrite_trace import await_send, late_writes, replayed, write_counts
 from sglang_harden.testbed.patched import patched_env, patched_tree
 from sglang_harden.testbed.pd_topology import PDPair, stop_together
 from sglang_harden.testbed.procenv import testbed_env as _env_of
@@ -372,7 +372,7 @@ def test_side_channel_auth_reported(case: Case) -> None:
     assert code == 1, audit
 
 
-@pytest.mark.proves("plugin", "zmq_auth")
+@pytest.mark.proves("plugin", "zmq_auth", control="self")
 def test_forged_drain_ack_does_not_release_held_pages(case: Case) -> None:
     """Decode aborts a request while prefill's write into its pages is held back; the attacker acks the drain."""
     seen = {side.kind: _drain_ack_round(side, case.pin in EARLY) for side in case}
@@ -381,6 +381,7 @@ def test_forged_drain_ack_does_not_release_held_pages(case: Case) -> None:
     for kind, round_ in seen.items():
         assert round_["abort_status"] == 200, (kind, round_)
         assert not round_["written_at_acks"], (kind, "the held write landed before the check (scenario timing)", round_)
+        assert round_["late_writes_attempted"] >= 1, (kind, "the held write was never replayed", round_)
         assert round_["final"]["full"], (kind, "decode's pool never came back after the write landed", round_)
     if case.pin in FREES_AT_ONCE:
         # vanilla before 0.5.21 has no deferred release on: decode frees an aborted request's pages at the abort
@@ -424,7 +425,7 @@ def _drain_ack_round(side: Side, early: bool) -> dict[str, Any]:
         after = _pool_until(side, want_full=True, timeout=ACK_SETTLE_S)
         released_after = time.monotonic() - aborted_at
         held_for = time.monotonic() - held_from
-        written = landed(side.trace)
+        written = replayed(side.trace, DRAIN_ROOM)
         drops = side.drops_since(pair.decode, dropped_before)
         quarantined = quarantined_pages_by_room(pair.decode.log_text()).get(DRAIN_ROOM, 0)
     finally:
@@ -432,18 +433,19 @@ def _drain_ack_round(side: Side, early: bool) -> dict[str, Any]:
         side.trigger.touch()  # the held write lands; prefill acks the drain once it did
         sender.join(LATE_DELAY_S + 90)
     deadline = time.monotonic() + 60
-    while not landed(side.trace) and time.monotonic() < deadline:
+    while not replayed(side.trace, DRAIN_ROOM) and time.monotonic() < deadline:
         time.sleep(0.1)
     final = _pool_until(side, want_full=True, timeout=60)
+    writes = write_counts(late_writes(side.trace), DRAIN_ROOM)
     return {"abort_status": abort_status, "abort_frames": len(abort_frames), "forged_acks": len(acks),
             "abort_notice_after_s": round(notice_after, 2), "write_held_at_check_s": round(held_for, 2),
             "before_acks": before, "after_acks": after, "released_after_abort_s": round(released_after, 2),
-            "written_at_acks": written, **drops,
+            "written_at_acks": written, **writes, **drops,
             "quarantined_pages": quarantined, "final": final,
             "decode_status": done["r"].decode.status if "r" in done else None}
 
 
-@pytest.mark.proves("plugin", "zmq_auth")
+@pytest.mark.proves("plugin", "zmq_auth", control="self")
 def test_copy_destination_for_a_live_room(case: Case) -> None:
     """The attacker adds its own transfer engine (Mooncake) or NIXL agent as a second destination of a victim's
     room."""
@@ -502,7 +504,7 @@ def _copy_round(side: Side, backend: str) -> dict[str, Any]:
             **side.drops_since(pair.prefill, dropped_before)}
 
 
-@pytest.mark.proves("plugin", "zmq_auth")
+@pytest.mark.proves("plugin", "zmq_auth", control="self")
 def test_session_hijack_moves_the_victims_kv(case: Case) -> None:
     """A registration under the victim decode's session id, its KV pointers half a page lower (inside the
     victim's own registered memory): prefill writes every later room of that session off its pages."""
@@ -531,7 +533,7 @@ def _hijack_round(side: Side) -> dict[str, Any]:
             "prefill_status": after.prefill.status, **side.drops_since(pair.prefill, dropped_before)}
 
 
-@pytest.mark.proves("plugin", "zmq_auth", "side_channels")
+@pytest.mark.proves("plugin", "zmq_auth", "side_channels", control="self")
 def test_malformed_frames_do_not_stop_pd_serving(case: Case) -> None:
     """One malformed frame to each rank port. Vanilla's listener threads die (their tracebacks in the logs) and
     the next PD request is never served; hardened drops the unsigned frames (``zmq_auth``), and the same frames

@@ -273,3 +273,74 @@ def test_a_flood_of_forged_acks_leaves_one_entry_per_live_transfer(sgl: SimpleNa
         pair.ack(ROOM, rank, pair.generation())
     assert pair.held() == 0
     assert _ack_table(pair.node) == 0, "the entry goes with its transfer"
+
+
+# Releases whose own waiting timeout sends decode's abort notice without arming SGLang's ack tracker (only
+# Scheduler.abort_request arms it there): their deferred release ignores every ack and holds the room to its timeout.
+UNARMED_TIMEOUT_NOTICE = Version(version("sglang")) < Version("0.5.21")
+
+
+def _time_out(pair: Pair) -> None:
+    """Decode's waiting timeout on a published transfer, through the pin's own ``_check_waiting_timeout``: it fails
+    the room and sends the abort notice."""
+    import threading
+    import time
+
+    from sglang.srt.disaggregation.base import KVPoll
+
+    mgr, receiver = pair.mgr, pair.receiver
+    mgr.request_status = {ROOM: KVPoll.WaitingForInput}
+    mgr.waiting_timeout, mgr.deferred_bootstrap = 1, None
+    mgr.connection_lock, mgr.connection_pool = threading.Lock(), {}
+    receiver._connection_pool_entries = {}
+    receiver.init_time = time.time() - 5  # send_metadata ran 5 s ago
+    assert receiver._check_waiting_timeout() == KVPoll.Failed
+
+
+def _release_safe(sgl: SimpleNamespace, pair: Pair) -> tuple[bool, bool]:
+    """(the pin's own answer, the hooked one) to "may the held room go?", as its deferred release asks it."""
+    hooked = sgl.conn.CommonKVManager.is_abort_release_safe
+    own = inspect.unwrap(hooked)
+    required = len(pair.receiver.bootstrap_infos)
+    return bool(own(pair.mgr, ROOM, required)), bool(hooked(pair.mgr, ROOM, required))
+
+
+def test_the_deferred_release_ends_on_the_drain_acks_of_a_timed_out_room(sgl: SimpleNamespace, pair: Pair) -> None:
+    """Issue 40 (b): decode gives up on a room by its waiting timeout; prefill, which never started a write for it,
+    acks the drain at once (every rank). On 0.5.19/0.5.20 SGLang's own check never counts those acks (the timeout's
+    notice did not arm its tracker), so the room is held until the deferred-release timeout (30 s) and the next
+    request waits for its pages; the hooked check lets it go on the acks, and not before every targeted rank's
+    (forged acks: ``test_a_forged_ack_leaves_the_quarantined_pages_held``, which the same node's count decides)."""
+    target = f"{sgl.conn.__name__}.CommonKVManager.is_abort_release_safe"
+    assert any(is_in_place(hook) and hook.owner == "lifecycle" for hook in _lifecycle_hooks() if hook.target == target)
+    pair.publish()
+    _time_out(pair)
+    assert pair.receiver.abort_notified and len(pair.notices) == PREFILL_TP * PREFILL_PP
+    assert _release_safe(sgl, pair) == (False, False), "nothing acked yet: held"
+    generation = pair.generation()
+    ranks = _prefill_ranks(sgl.conn)
+    for rank in ranks[:-1]:
+        pair.ack(ROOM, rank, generation)
+    assert _release_safe(sgl, pair) == (False, False), "a targeted rank has not acked: held"
+    before = events.snapshot().get("lifecycle:release", 0)
+    pair.ack(ROOM, ranks[-1], generation)
+    own, hooked = _release_safe(sgl, pair)
+    assert hooked, "every targeted rank acked the drain: the held room must go now"
+    assert own is not UNARMED_TIMEOUT_NOTICE, "the pin's own check (the harm the hook removes on 0.5.19/0.5.20)"
+    released = events.snapshot().get("lifecycle:release", 0) - before
+    assert released == (1 if UNARMED_TIMEOUT_NOTICE else 0), "the guard's release is its own decision, once"
+
+
+def test_a_room_prefill_never_started_is_released_without_acks(sgl: SimpleNamespace, pair: Pair) -> None:
+    """Prefill said it never queued a write for the room (its handshake failed): no ack comes, none is needed."""
+    pair.publish()
+    _time_out(pair)
+    assert _release_safe(sgl, pair)[1] is False
+    pair.node.note_never_started(ROOM, pair.receiver.bootstrap_addr)
+    assert _release_safe(sgl, pair)[1] is True
+
+
+def _lifecycle_hooks() -> list[Any]:
+    from sglang_harden.compat import sglang_v05
+
+    return sglang_v05.LIFECYCLE_HOOKS

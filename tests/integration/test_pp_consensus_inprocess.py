@@ -27,7 +27,11 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("hypothesis")
-store_module = pytest.importorskip("sglang.srt.disaggregation.pp_consensus_store")
+pytest.importorskip("sglang")
+try:
+    import sglang.srt.disaggregation.pp_consensus_store as store_module
+except ModuleNotFoundError:
+    pytest.skip("this SGLang release has no PP consensus store (SGLang added it in 0.5.22)", allow_module_level=True)
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -101,3 +101,24 @@ def test_a_release_not_here_is_reported_not_guessed(tmp_path: Path, monkeypatch:
     assert main(["compat", "sweep", "--releases", "0.5.22", "--offline", "--json"]) == 1
     (report,) = json.loads(capsys.readouterr().out)
     assert report["release"] == "0.5.22" and "downloads are off" in report["error"] and report["adapter"] is None
+
+
+def test_release_sources_download_with_a_pip_that_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A testbed pin venv is built by uv and has no pip: the download must not depend on the running Python's."""
+    import shutil
+    import subprocess
+    import sys
+
+    from sglang_harden.tools import _wheels
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python-without-pip")
+    command = _wheels.pip_command()
+    assert command[0] != "/nonexistent/python-without-pip" and command[1:] == ["-m", "pip"]
+    assert subprocess.run([*command, "--version"], capture_output=True, timeout=60).returncode == 0
+    monkeypatch.setattr(sys, "_base_executable", "/nonexistent/base", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(_wheels, "subprocess", type("NoPip", (), {
+        "run": staticmethod(lambda *a, **k: subprocess.CompletedProcess(a, 1)),
+        "TimeoutExpired": subprocess.TimeoutExpired}))
+    with pytest.raises(_wheels.ReleaseUnavailable, match="no pip here"):
+        _wheels.pip_command()

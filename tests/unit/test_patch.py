@@ -1,7 +1,7 @@
 """The backport series: each pin's series applies cleanly to that pin's own wheel source, ``verify`` recognises
 the result, and ``apply`` refuses (without touching the tree) on a version mismatch, a reject or a partly
-patched tree. Pristine sources come from, in order: ``/tmp/src/<pin>``, ``$SGLANG_HARDEN_HOME/wheel-src/<pin>``,
-the pin's venv, or ``pip download --no-deps sglang==<pin>`` unpacked into ``$SGLANG_HARDEN_HOME/wheel-src``.
+patched tree. Pristine sources come from ``sglang_harden.tools._wheels.release_tree``: the pin's venv, an unpacked
+wheel under ``$SGLANG_HARDEN_HOME/wheel-src/<pin>``, or ``pip download --no-deps sglang==<pin>`` unpacked there.
 Only the files a series touches (plus the version files) are copied per test, so this stays fast.
 """
 
@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-import zipfile
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -28,8 +27,8 @@ import pytest
 
 from sglang_harden.testbed.patched import copy_series_files
 from sglang_harden.tools import patch as P
+from sglang_harden.tools._wheels import ReleaseUnavailable, release_tree
 
-HOME = Path(os.environ.get("SGLANG_HARDEN_HOME") or Path.home() / ".cache" / "sglang-harden")
 PATCHES = P.default_patches_dir()
 PINS = P.available_pins(PATCHES)
 
@@ -37,31 +36,12 @@ pytestmark = pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch
 
 
 def _pristine(pin: str) -> Path:
-    candidates = [Path("/tmp/src") / pin, HOME / "wheel-src" / pin,
-                  *sorted((HOME / "venvs" / pin).glob("lib/python3*/site-packages"))]
-    for root in candidates:
-        if (root / "sglang" / "srt").is_dir() and P.tree_version(root) == pin:
-            return root
-    return _download(pin, HOME / "wheel-src" / pin)
-
-
-def _download(pin: str, dest: Path) -> Path:
-    cache = HOME / "wheel-cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob(f"sglang-{pin}-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"sglang=={pin}", "-d", str(cache)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        wheels = sorted(cache.glob(f"sglang-{pin}-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            pytest.skip(f"no source for sglang=={pin} here and the download failed: {proc.stderr[-300:]}")
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(wheels[-1]) as zf:
-        zf.extractall(tmp, [n for n in zf.namelist() if n.startswith("sglang/") and n.endswith(".py")])
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest
+    try:
+        root = release_tree(pin)
+    except ReleaseUnavailable as exc:
+        pytest.skip(f"no source for sglang=={pin} here and the download failed: {exc}")
+    assert P.tree_version(root) == pin, f"{root} holds another release than {pin}"
+    return root
 
 
 def make_tree(pin: str, dest: Path) -> Path:

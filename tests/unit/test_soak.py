@@ -19,8 +19,9 @@ TOPO = soak_spec.SoakTopology(pin="0.5.19")
 TARGET = soak_requests.Target({"prefill": "http://127.0.0.1:9", "decode": "http://127.0.0.1:9"}, 9)
 
 
-def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, wanted: int = 4) -> soak_spec.Outcome:
-    return soak_spec.Outcome(kind, f"r-{kind}-{status}", status, latency, 0.1, tokens, wanted)
+def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, wanted: int = 4,
+             error: str = "") -> soak_spec.Outcome:
+    return soak_spec.Outcome(kind, f"r-{kind}-{status}", status, latency, 0.1, tokens, wanted, error=error)
 
 
 @pytest.mark.parametrize(
@@ -30,8 +31,8 @@ def _outcome(kind: str, status: int, latency: float = 1.0, tokens: int = 4, want
         ("normal", 200, 3, "failed"),  # a short answer is not a success
         ("normal", 503, 0, "failed"),
         ("oversized", 200, 4, "oversized_served"),
-        ("oversized", 400, 0, "refused"),
-        ("oversized", 503, 0, "refused"),
+        ("oversized", 400, 0, "oversized_failed"),  # an error without the refusing guard's message
+        ("oversized", 503, 0, "oversized_failed"),  # a 503 without the guard's message is no refusal
         ("oversized", -1, 0, "oversized_unanswered"),
         ("disconnect", -1, 0, "disconnected"),
     ],
@@ -72,7 +73,9 @@ def test_foreign_reads_counts_first_decode_rows_and_rows_changed_while_decoding(
 
 def test_summary_rates_latencies_refusal_bound_and_quarantine_share() -> None:
     outcomes = [_outcome("normal", 200, latency=x) for x in (1.0, 2.0, 3.0, 4.0)]
-    outcomes += [_outcome("oversized", 400, latency=0.3), _outcome("oversized", 400, latency=6.0)]
+    too_long = "Input length (700 tokens) exceeds the maximum allowed length (634 tokens)."
+    outcomes += [_outcome("oversized", 400, latency=0.3, error=too_long),
+                 _outcome("oversized", 400, latency=6.0, error=too_long)]
     samples = [{"decode": {"lifecycle": {"quarantined_pages": q}}} for q in (0, 3, 1)]
     got = soak_judging.summarize(outcomes, samples, 10.0, LOAD, decode_pool_tokens=1600, page_size=16)
     assert got["by_outcome"] == {"ok": 4, "refused": 2}
@@ -87,7 +90,7 @@ def _report(**changes: object) -> soak_judging.SoakReport:
     clean = {"leaked_tokens": 0, "double_frees": 0, "quarantined_pages": 0, "pool": {}}
     fields: dict[str, object] = dict(
         variant="hardened", topology={}, load={}, wall_s=1.0, summary=summary,
-        foreign_reads={"rows": 0, "requests": 0, "tracer_errors": 0},
+        foreign_reads={"rows": 0, "requests": 0, "tracer_errors": 0, "traced_first_decodes": 1},
         quiesce={"prefill": dict(clean), "decode": dict(clean)},
     )
     fields.update(changes)
@@ -281,12 +284,32 @@ def test_late_write_lands_when_another_request_decodes_over_its_pages(tmp_path: 
     _lines(tmp_path / "kvtrace-2.jsonl", {"event": "first_decode", "rid": "victim", "t": 13.0, "pages": [8, 9]})
     (tmp_path / "kvtrace-2.jsonl").open("a").write('{"event": "first_dec')  # a line still being written
     lander.step()
-    assert trigger.exists() and lander.fired == {5: "victim"}
+    assert trigger.exists() and lander.triggered == {5: "victim"}
+    assert lander.fired == {}  # made to land, not landed yet
     lander.step()
     assert trigger.exists()  # kept until the write has landed
-    _lines(tmp_path / "latewrite-1.jsonl", {"event": "late_write", "room": 5, "t": 13.1})
+    _lines(tmp_path / "latewrite-1.jsonl", {"event": "late_write", "room": 5, "t": 13.1, "status": 0})
     lander.step()
     assert not trigger.exists() and lander.fired == {5: "victim"}
+    assert lander.counts() == {"late_writes_attempted": 1, "late_writes_landed": 1, "late_writes_failed": 0}
+
+
+def test_a_late_write_whose_replay_failed_did_not_land_on_its_victim(tmp_path: Path) -> None:
+    """The trigger goes (the write is over) but the room is no landing: its engine call reported failure."""
+    lander = soak_load.LateWriteLander(tmp_path)
+    late = f"{soak_spec.LATE_RID_PREFIX}0"
+    _lines(tmp_path / "latewrite-1.jsonl", {"event": "room_learnt", "rid": late, "room": 5, "t": 9.0},
+           {"event": "kv_send", "room": 5, "t": 10.0, "dst_pages": [7, 8]},
+           {"event": "engine_timeout", "room": 5, "t": 11.0})
+    _lines(tmp_path / "kvtrace-2.jsonl", {"event": "admitted", "rid": late, "t": 9.5},
+           {"event": "first_decode", "rid": "victim", "t": 13.0, "pages": [8]})
+    lander.step()
+    assert lander.triggered == {5: "victim"}
+    _lines(tmp_path / "latewrite-1.jsonl", {"event": "late_write", "room": 5, "t": 13.1, "status": -1})
+    lander.step()
+    assert not (tmp_path / soak_spec.LATE_TRIGGER).exists()
+    assert lander.fired == {}
+    assert lander.counts() == {"late_writes_attempted": 1, "late_writes_landed": 0, "late_writes_failed": 1}
 
 
 def test_clients_go_on_past_the_duration_until_enough_are_served_within_the_cap() -> None:

@@ -550,7 +550,7 @@ def test_late_write_judge_reports_what_its_verdict_rests_on(tmp_path: Path, hand
 
     trace = tmp_path / "kvtrace"
     _append_jsonl(trace / "latewrite-1.jsonl", {"event": "kv_send", "room": 42, "dst_pages": [100, 101, 102]})
-    _append_jsonl(trace / "latewrite-1.jsonl", {"event": "late_write", "room": 42, "t": 50.0})
+    _append_jsonl(trace / "latewrite-1.jsonl", {"event": "late_write", "room": 42, "t": 50.0, "status": 0})
     b0_pages = [101, 7] if handed_early else [7, 8]
     _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "first_decode", "rid": "B0", "pages": b0_pages, "t": 40.0})
     _append_jsonl(trace / "kvtrace-1.jsonl", {"event": "release", "rid": "B0", "context_rows_changed": 0})
