@@ -114,6 +114,7 @@ E2E_GROUP_MINUTES = {
     "test_fail_closed_e2e": 2.0,
     "test_importhook_coexist_e2e": 1.5,
     "test_side_channels_e2e": 4.5,
+    "test_pool_limit_e2e": 1.0,
 }
 UNLISTED_E2E_GROUP_MINUTES = 3.0
 

@@ -5,6 +5,12 @@ itself subtracts when the pool is large enough (``max_req_input_len = min(contex
 max_total_num_tokens - 1) - 5``, so 6). A node whose pool is smaller refuses to start (enforce), lowers
 its context length to what fits (clamp), or warns (log). The incident needed exactly this gap: a prompt
 that fits the advertised context but not the pool.
+
+Not enforced yet, only reported (``sglang-harden audit``, finding ``prompt_limit_unservable``): every prompt the node
+advertises (``< max_req_input_len``) should be one its scheduler can admit on an idle pool
+(:func:`largest_servable_prompt`); paging lowers that below ``max_req_input_len``, and a prompt in the gap waits in
+the queue until the PD waiting timeout (issue 40 (a)). :func:`decide_servable` is the start-up decision for it; the
+capacity gate does not call it yet (the testbed's small paged pairs must be resized with it).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from sglang_harden.guards.base import Decision, Verdict, allow
 GUARD = "capacity"
 SGLANG_MARGIN = 6
 FIX_FLAGS = ("--max-total-tokens", "--mem-fraction-static", "--context-length", "--harden-capacity clamp")
+# Prefill runs every PD request with max_new_tokens = 1 (PrefillBootstrapQueue._process_req).
+PREFILL_NEW_TOKENS = 1
 
 
 def largest_fitting_context(max_req_input_len: int, margin: int = SGLANG_MARGIN) -> int:
@@ -59,3 +67,79 @@ def decide_capacity(context_len: int, max_req_input_len: int, margin: int, mode:
 def record_mode(mode: CapacityMode) -> Mode:
     """The ``events.record`` mode for a capacity decision: clamp and enforce apply, log only logs."""
     return {CapacityMode.LOG: Mode.LOG, CapacityMode.OFF: Mode.OFF}.get(mode, Mode.ENFORCE)
+
+
+# ------------------------------------------------------------------ the largest prompt the pool can ever serve
+
+
+def largest_servable_prompt(role: str, pool_tokens: int, page_size: int, reserved_decode_tokens: int = 0) -> int | None:
+    """The longest prompt a PD node's scheduler admits on an idle pool of ``pool_tokens`` (None: role not modelled).
+
+    prefill (``PrefillAdder.add_one_req``): ``L + max_new (1) + page_size < available + evictable``, the pool at
+    most, checked on the whole prompt before any chunking, so ``L <= pool - page_size - 2``.
+    decode (``DecodePreallocQueue.pop_preallocated``): the page-rounded prompt plus the reserved decode tokens
+    fit the allocatable tokens, the pool at most: ``ceil_page(L) + reserved <= pool``.
+    A longer prompt is neither admitted nor refused: it waits until the PD waiting timeout.
+    """
+    page = max(1, page_size)
+    if role == "prefill":
+        return pool_tokens - page - PREFILL_NEW_TOKENS - 1
+    if role == "decode":
+        return (pool_tokens - reserved_decode_tokens) // page * page
+    return None
+
+
+def largest_advertised_prompt(max_req_input_len: int) -> int:
+    """SGLang refuses a prompt of ``max_req_input_len`` tokens or more: the longest it accepts is one less."""
+    return max_req_input_len - 1
+
+
+def _servable_reason(role: str, advertised: int, servable: int, pool_tokens: int, page_size: int,
+                     reserved: int, context_len: int) -> str:
+    reserve = f" and {reserved} reserved decode tokens" if role == "decode" else ""
+    return (
+        f"KV pool cannot serve the advertised prompt limit: this {role} node accepts prompts up to {advertised} "
+        f"tokens (max_req_input_len={advertised + 1}) but its pool of {pool_tokens} tokens with page size "
+        f"{page_size}{reserve} serves at most {servable} (servable_prompt={servable}); a prompt of "
+        f"{servable + 1}..{advertised} tokens would wait until the PD waiting timeout. Raise --max-total-tokens or "
+        f"--mem-fraction-static, lower --context-length to {min(context_len, servable + 1 + SGLANG_MARGIN)}, or "
+        "start with --harden-capacity clamp"
+    )
+
+
+def decide_servable(
+    role: str,
+    pool_tokens: int,
+    page_size: int,
+    reserved_decode_tokens: int,
+    max_req_input_len: int,
+    context_len: int,
+    mode: CapacityMode,
+) -> Decision:
+    """ALLOW when every advertised prompt is servable, else REJECT (refuse to start), CLAMP
+    (``fields['max_req_input_len']`` = servable + 1, ``fields['context_len']`` what then fits) or the log-mode
+    warning (``fields['log_only']``), as :func:`decide_capacity`."""
+    servable = largest_servable_prompt(role, pool_tokens, page_size, reserved_decode_tokens)
+    fields: dict[str, object] = {
+        "check": "servable_prompt",
+        "role": role,
+        "pool_tokens": pool_tokens,
+        "page_size": page_size,
+        "reserved_decode_tokens": reserved_decode_tokens,
+        "max_req_input_len": max_req_input_len,
+        "servable_prompt": servable,
+        "fix_flags": list(FIX_FLAGS),
+    }
+    advertised = largest_advertised_prompt(max_req_input_len)
+    if mode is CapacityMode.OFF or servable is None or advertised <= servable:
+        return allow(GUARD, **fields)
+    reason = _servable_reason(role, advertised, servable, pool_tokens, page_size, reserved_decode_tokens, context_len)
+    if mode is CapacityMode.CLAMP and servable > 0:
+        limit = servable + 1
+        clamped = {**fields, "max_req_input_len": limit, "original_max_req_input_len": max_req_input_len,
+                   "context_len": min(context_len, limit + SGLANG_MARGIN), "original_context_len": context_len}
+        return Decision(GUARD, Verdict.CLAMP,
+                        f"clamping max_req_input_len {max_req_input_len} -> {limit}; " + reason, None, clamped)
+    if mode is CapacityMode.LOG:
+        return Decision(GUARD, Verdict.REJECT, reason, None, {**fields, "log_only": True})
+    return Decision(GUARD, Verdict.REJECT, reason, None, fields)

@@ -7,6 +7,9 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
 - ``pool_below_context``: a node's KV pool holds fewer tokens than its advertised context;
 - ``prefill_limit_below_decode``: a prefill node accepts shorter prompts than a decode node (the incident's
   precondition: a prompt between the two limits is rejected by prefill but reserved by decode);
+- ``prompt_limit_unservable``: a PD node advertises prompts (``< max_req_input_len``) its pool can never admit
+  once paging and decode's reserved tokens are counted (``guards.capacity.largest_servable_prompt``); such a
+  prompt is neither served nor refused, it waits until the PD waiting timeout (issue 40 (a));
 - ``guards_missing``: neither an sglang-harden report in server info (``internal_states[i].sglang_harden``:
   armed guards and decision counts) nor guard decisions on ``/metrics``;
 - ``control_plane_unauthenticated``: a hardened PD node reports that its control plane (the bootstrap routes)
@@ -29,12 +32,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sglang_harden.events import METRIC_NAME
+from sglang_harden.guards.capacity import SGLANG_MARGIN, largest_advertised_prompt, largest_servable_prompt
 from sglang_harden.tools._http import HttpError, get_json, request
 from sglang_harden.tools._render import dump_json, table
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNAUDITED = 0, 1, 2
 SAMPLE_RE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-FINDING_CODES = ("pool_below_context", "prefill_limit_below_decode", "guards_missing",
+FINDING_CODES = ("pool_below_context", "prefill_limit_below_decode", "prompt_limit_unservable", "guards_missing",
                  "control_plane_unauthenticated", "side_channels_unauthenticated")
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -67,6 +71,8 @@ class Node:
     context_length: int | None = None
     pool_tokens: int | None = None
     max_req_input_len: int | None = None
+    page_size: int | None = None
+    reserved_decode_tokens: int | None = None  # decode's --num-reserved-decode-tokens
     transfer_backend: str | None = None
     metrics: str = "unknown"  # "ok" | "unavailable: ..." | "unknown"
     guards: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -143,6 +149,8 @@ def _fill_from_info(node: Node, info: dict) -> None:
     node.context_length = _first_int(node, info, ("context_length", "context_len"))
     node.pool_tokens = _first_int(node, info, ("max_total_num_tokens",)) or _pool_from_states(info)
     node.max_req_input_len = _first_int(node, info, ("max_req_input_len",))
+    node.page_size = _first_int(node, info, ("page_size",))
+    node.reserved_decode_tokens = _first_int(node, info, ("num_reserved_decode_tokens",))
     backend = info.get("disaggregation_transfer_backend")
     node.transfer_backend = backend if isinstance(backend, str) else None
     _fill_harden_report(node, info)
@@ -261,6 +269,9 @@ def findings(nodes: list[Node]) -> list[Finding]:
                         "--mem-fraction-static or lower --context-length)",
                     )
                 )
+        unservable = _unservable_limit(node)
+        if unservable is not None:
+            out.append(unservable)
         if node.role in ("prefill", "decode") and node.control_plane_auth in ("unauthenticated", "log"):
             out.append(Finding("control_plane_unauthenticated", node.url,
                                f"control plane {node.control_plane_auth}: anyone who reaches the bootstrap port can "
@@ -281,6 +292,31 @@ def findings(nodes: list[Node]) -> list[Finding]:
         out.append(Finding("guards_missing", node.url, why))
     out += _limit_asymmetry(audited)
     return out
+
+
+def _unservable_limit(node: Node) -> Finding | None:
+    """A PD node whose advertised prompt limit its pool cannot serve (needs page size, and decode's reserve)."""
+    if node.role not in ("prefill", "decode") or node.page_size is None or node.page_size < 1:
+        return None
+    if node.pool_tokens is None or node.max_req_input_len is None:
+        return None
+    if node.role == "decode" and node.reserved_decode_tokens is None:
+        return None
+    reserved = (node.reserved_decode_tokens or 0) if node.role == "decode" else 0
+    servable = largest_servable_prompt(node.role, node.pool_tokens, node.page_size, reserved)
+    advertised = largest_advertised_prompt(node.max_req_input_len)
+    if servable is None or advertised <= servable:
+        return None
+    reserve = f" and {reserved} reserved decode tokens" if node.role == "decode" else ""
+    return Finding(
+        "prompt_limit_unservable",
+        node.url,
+        f"{node.role} accepts prompts up to {advertised} tokens (max_req_input_len {node.max_req_input_len}) but "
+        f"its pool of {node.pool_tokens} tokens with page size {node.page_size}{reserve} serves at most "
+        f"{servable}: a prompt of {servable + 1}..{advertised} tokens waits until the PD waiting timeout (raise "
+        f"--max-total-tokens / --mem-fraction-static, lower --context-length to {servable + 1 + SGLANG_MARGIN}, or "
+        "start hardened with --harden-capacity clamp)",
+    )
 
 
 def _limit_asymmetry(nodes: list[Node]) -> list[Finding]:
