@@ -127,8 +127,8 @@ def _run(pin: str, variant: str, log_dir: Path, tree: Path | None) -> dict[str, 
             b = rounds[-1].b
             _progress(f"{pin} {variant} round {index}: B prefill {b.prefill.status} decode {b.decode.status} "
                       f"in {b.decode.elapsed_s:.2f}s ({b.decode.error_message()[:80] if not b.decode.ok else 'ok'})")
-        front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant in ("patched", "vanilla") else None
-        tools = _operator_tools(pair) if variant == "vanilla" else {}
+        front_door = front_door_round(pair, SETUP, tag=f"{variant}-") if variant == "patched" else None
+        tools = _operator_tools(pair, load_pins()[pin].incident == "leak") if variant == "vanilla" else {}
         unwritten = _unwritten_page(pair) if faulty else None
         flipped = _flipped_bit(pair) if faulty else None
         table = _mis_owned_page(pair) if faulty else None
@@ -196,11 +196,13 @@ def _attack(pair: PDPair) -> list[tuple[str, int]]:
     return out
 
 
-def _operator_tools(pair: PDPair) -> dict[str, Any]:
-    """Each tool's (exit code, JSON), or what it raised (only that tool's test then fails)."""
+def _operator_tools(pair: PDPair, leaks: bool) -> dict[str, Any]:
+    """Each tool's (exit code, JSON), or what it raised (only that tool's test then fails). The probe only where
+    vanilla leaks (its test asserts nothing elsewhere)."""
     _progress("vanilla: audit and probe, as an operator runs them")
-    runs = {"audit": ("audit", pair.prefill.url, pair.decode.url, "--timeout", "20"),
-            "probe": ("probe", *pair_args(pair), "--seed", "7", "--max-requests", "40", "--time-budget", "400")}
+    runs = {"audit": ("audit", pair.prefill.url, pair.decode.url, "--timeout", "20")}
+    if leaks:
+        runs["probe"] = ("probe", *pair_args(pair), "--seed", "7", "--max-requests", "40", "--time-budget", "400")
     out: dict[str, Any] = {}
     for name, args in runs.items():
         try:
@@ -245,15 +247,6 @@ def test_vanilla_pair_serves_or_holds_b(incident: Any, pin: str) -> None:
         else:
             assert b.prefill.status == 400 and b.decode.status != 200, rnd.to_dict()
             assert b.decode.elapsed_s >= 0.8 * SETUP.waiting_timeout_s, rnd.to_dict()
-
-
-@pytest.mark.parametrize("pin", PINS)
-def test_vanilla_decode_holds_a_front_door_refusal(incident: Any, pin: str) -> None:
-    """The abort notice's control: prefill's tokenizer refuses the prompt, and vanilla decode, holding the room's
-    reservation, hears nothing and waits out its timeout."""
-    door = incident(pin, "vanilla")["front_door"]
-    assert door["prefill"]["status"] == 400, door
-    assert door["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, door
 
 
 @pytest.mark.parametrize("pin", PINS)
@@ -330,7 +323,9 @@ def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
 
 
-@pytest.mark.proves("patch", "abort_notify", control="test_vanilla_decode_holds_a_front_door_refusal")
+@pytest.mark.proves(
+    "patch", "abort_notify", control="tests/e2e/test_incident.py::test_front_door_refusal_leaves_decode_holding",
+)
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context before any scheduler sees it. The series posts
