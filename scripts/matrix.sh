@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export SGLANG_HARDEN_FULL_RUN=1  # the e2e cases CI leaves out (ci/pins.toml [ci].full_run_only) run here
 pins="${SGLANG_HARDEN_PINS:-stale}"
 results="${SGLANG_HARDEN_MATRIX_RESULTS:-docs/e2e-results}"
 if [ "$pins" = "all" ]; then

@@ -30,7 +30,7 @@ patched_auth_tests=(tests/integration/test_patched_auth_inprocess.py)
 torch_tests=(tests/unit/test_digest*.py tests/unit/test_checksum.py tests/unit/test_events_prometheus.py
   tests/unit/test_cudasim.py tests/unit/test_canary.py tests/unit/test_patched_canary.py
   tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_drain_acks.py
-  tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py)
+  tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py tests/unit/test_kvtrace_owners.py)
 phase "in-process tests (each CI pin's venv) and torch tests, side by side"
 logs="$(mktemp -d)"
 pids=()

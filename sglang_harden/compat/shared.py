@@ -51,6 +51,17 @@ def largest_accepted_prompt(scheduler: Any) -> int | None:
     return None if limit is None else int(limit)
 
 
+def largest_servable_prompt_of(queue: Any, role: str) -> int | None:
+    """The longest prompt this node's pool admits when idle (None: pool, page size or decode's reserve unknown)."""
+    scheduler = queue.scheduler
+    pool = getattr(scheduler, "max_total_num_tokens", None)
+    page = getattr(scheduler, "page_size", None)
+    reserved = getattr(queue, "num_reserved_decode_tokens", None) if role == "decode" else 0
+    if pool is None or page is None or reserved is None:
+        return None
+    return capacity.largest_servable_prompt(role, int(pool), int(page), int(reserved))
+
+
 @dataclass(frozen=True)
 class RequestReader:
     """How one family reads and ends a ``Req``: the only per-family part of the door and retire hooks."""
@@ -96,6 +107,7 @@ def door(role: str, reader: RequestReader) -> Callable[[Func], Func]:
                 prompt_len=len(req.origin_input_ids),
                 pending=reader.pending_rejection(req),
                 limit=largest_accepted_prompt(scheduler),
+                servable=largest_servable_prompt_of(self, role),
             )
             decision = admission.decide_admission(view)
             if events.record(decision, RUNTIME.config.admission, room=room_of(req)):
@@ -213,12 +225,28 @@ def capacity_gate(scheduler: Any) -> None:
     decision = capacity.decide_capacity(
         context_len, int(scheduler.max_req_input_len), capacity.SGLANG_MARGIN, mode
     )
+    warn_unservable_limit(scheduler, mode)
     if not events.record(decision, capacity.record_mode(mode), role=role_of(scheduler)):
         return
     if decision.verdict is Verdict.CLAMP:
         scheduler.model_config.context_len = int(decision.fields["context_len"])
         return
     raise HardenRefusal("sglang-harden capacity gate: " + decision.reason)
+
+
+def warn_unservable_limit(scheduler: Any, mode: CapacityMode) -> None:
+    """Start-up warning, counted: the pool cannot serve every prompt the node advertises (the doors refuse those)."""
+    role = role_of(scheduler)
+    queue = getattr(scheduler, "disagg_decode_prealloc_queue" if role == "decode" else "disagg_prefill_bootstrap_queue",
+                    None)
+    if role not in ("prefill", "decode") or queue is None:
+        return
+    servable = largest_servable_prompt_of(queue, role)
+    if servable is None:
+        return
+    decision = capacity.decide_servable(role, servable, int(scheduler.max_req_input_len), mode)
+    events.record(decision, capacity.record_mode(CapacityMode.OFF if mode is CapacityMode.OFF else CapacityMode.LOG),
+                  role=role)
 
 
 def tokenizer_learns_limit(module: Any) -> None:

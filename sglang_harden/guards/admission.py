@@ -2,10 +2,12 @@
 handoff.
 
 Invariant: at both PD admission doors (prefill bootstrap queue, decode prealloc queue) a request is
-admitted only if it carries no pending rejection and its prompt fits this node's ``max_req_input_len``. A
-rejected request is retired with its *original* error (message and status), before any bootstrap, page
-allocation or KV transfer. If the node's limit is unknown the guard fails closed: an unknown limit is not
-a reason to admit.
+admitted only if it carries no pending rejection, its prompt fits this node's ``max_req_input_len``, and its
+prompt is one this node's pool can ever admit (``servable``: paging and decode's reserved tokens put that below
+``max_req_input_len`` on pools about the size of the context; such a prompt would otherwise wait, neither admitted nor
+refused, until the PD waiting timeout). A rejected request is retired with its *original* error (message and
+status), before any bootstrap, page allocation or KV transfer. If the node's limit is unknown the guard fails
+closed: an unknown limit is not a reason to admit.
 
 Prefill's HTTP front (its tokenizer) refuses earlier still a prompt its scheduler is certain to refuse as too long
 for the pool, so the refusal does not wait for a scheduler loop that takes seconds on a busy node. The front knows
@@ -32,13 +34,15 @@ class PendingRejection:
 
 @dataclass(frozen=True)
 class AdmissionView:
-    """What the door knows about one request. ``limit`` is the node's ``max_req_input_len``."""
+    """What the door knows about one request. ``limit`` is the node's ``max_req_input_len``; ``servable`` the longest
+    prompt its pool can ever admit (``guards.capacity.largest_servable_prompt``; None: not modelled for the role)."""
 
     rid: str
     role: str
     prompt_len: int
     pending: PendingRejection | None
     limit: int | None
+    servable: int | None = None
 
 
 def too_long_message(prompt_len: int, limit: int) -> str:
@@ -46,6 +50,11 @@ def too_long_message(prompt_len: int, limit: int) -> str:
 
 
 SCHEDULER_ADVICE = " Use a shorter input or enable --allow-auto-truncate."
+
+
+def unservable_message(prompt_len: int, servable: int, role: str) -> str:
+    return (f"Input length ({prompt_len} tokens) exceeds the longest prompt this {role} node's KV pool can admit "
+            f"({servable} tokens, after paging and reserved tokens). Use a shorter input.")
 
 
 @dataclass(frozen=True)
@@ -80,4 +89,7 @@ def decide_admission(view: AdmissionView) -> Decision:
         return Decision(GUARD, Verdict.REJECT, reason, 500, context)
     if view.prompt_len > view.limit:
         return Decision(GUARD, Verdict.REJECT, too_long_message(view.prompt_len, view.limit), 400, context)
+    if view.servable is not None and view.prompt_len > view.servable:
+        reason = unservable_message(view.prompt_len, view.servable, view.role)
+        return Decision(GUARD, Verdict.REJECT, reason, 400, {**context, "servable": view.servable})
     return allow(GUARD, **context)

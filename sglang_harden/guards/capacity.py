@@ -6,11 +6,12 @@ max_total_num_tokens - 1) - 5``, so 6). A node whose pool is smaller refuses to 
 its context length to what fits (clamp), or warns (log). The incident needed exactly this gap: a prompt
 that fits the advertised context but not the pool.
 
-Not enforced yet, only reported (``sglang-harden audit``, finding ``prompt_limit_unservable``): every prompt the node
-advertises (``< max_req_input_len``) should be one its scheduler can admit on an idle pool
-(:func:`largest_servable_prompt`); paging lowers that below ``max_req_input_len``, and a prompt in the gap waits in
-the queue until the PD waiting timeout (issue 40 (a)). :func:`decide_servable` is the start-up decision for it; the
-capacity gate does not call it yet (the testbed's small paged pairs must be resized with it).
+Every prompt a node advertises (``< max_req_input_len``) should also be one its scheduler can admit on an idle pool
+(:func:`largest_servable_prompt`); paging and decode's reserved tokens lower that below ``max_req_input_len`` when
+the pool is about the size of the context, and a prompt in that gap waits, neither admitted nor refused, until the
+PD waiting timeout (issue 40 (a)). The admission doors refuse such a prompt at once (``guards.admission``); at
+start-up :func:`decide_servable` names the configuration in a counted warning (the node still serves every other
+prompt), as ``sglang-harden audit`` does (finding ``prompt_limit_unservable``).
 """
 
 from __future__ import annotations
@@ -94,52 +95,24 @@ def largest_advertised_prompt(max_req_input_len: int) -> int:
     return max_req_input_len - 1
 
 
-def _servable_reason(role: str, advertised: int, servable: int, pool_tokens: int, page_size: int,
-                     reserved: int, context_len: int) -> str:
-    reserve = f" and {reserved} reserved decode tokens" if role == "decode" else ""
+def _servable_reason(role: str, advertised: int, servable: int) -> str:
     return (
         f"KV pool cannot serve the advertised prompt limit: this {role} node accepts prompts up to {advertised} "
-        f"tokens (max_req_input_len={advertised + 1}) but its pool of {pool_tokens} tokens with page size "
-        f"{page_size}{reserve} serves at most {servable} (servable_prompt={servable}); a prompt of "
-        f"{servable + 1}..{advertised} tokens would wait until the PD waiting timeout. Raise --max-total-tokens or "
-        f"--mem-fraction-static, lower --context-length to {min(context_len, servable + 1 + SGLANG_MARGIN)}, or "
-        "start with --harden-capacity clamp"
+        f"tokens (max_req_input_len={advertised + 1}) but its pool serves at most {servable} once paging"
+        f"{' and reserved decode tokens' if role == 'decode' else ''} are counted (servable_prompt={servable}); "
+        f"the admission doors refuse a prompt of {servable + 1}..{advertised} tokens with 400. Raise "
+        "--max-total-tokens or --mem-fraction-static, or lower --context-length to "
+        f"{servable + 1 + SGLANG_MARGIN}"
     )
 
 
-def decide_servable(
-    role: str,
-    pool_tokens: int,
-    page_size: int,
-    reserved_decode_tokens: int,
-    max_req_input_len: int,
-    context_len: int,
-    mode: CapacityMode,
-) -> Decision:
-    """ALLOW when every advertised prompt is servable, else REJECT (refuse to start), CLAMP
-    (``fields['max_req_input_len']`` = servable + 1, ``fields['context_len']`` what then fits) or the log-mode
-    warning (``fields['log_only']``), as :func:`decide_capacity`."""
-    servable = largest_servable_prompt(role, pool_tokens, page_size, reserved_decode_tokens)
-    fields: dict[str, object] = {
-        "check": "servable_prompt",
-        "role": role,
-        "pool_tokens": pool_tokens,
-        "page_size": page_size,
-        "reserved_decode_tokens": reserved_decode_tokens,
-        "max_req_input_len": max_req_input_len,
-        "servable_prompt": servable,
-        "fix_flags": list(FIX_FLAGS),
-    }
+def decide_servable(role: str, servable: int | None, max_req_input_len: int, mode: CapacityMode) -> Decision:
+    """ALLOW when every advertised prompt is servable, else the start-up warning (verdict REJECT,
+    ``fields['log_only']``: the node starts; the doors refuse the prompts in the gap). OFF decides nothing."""
+    fields: dict[str, object] = {"check": "servable_prompt", "role": role, "max_req_input_len": max_req_input_len,
+                                 "servable_prompt": servable}
     advertised = largest_advertised_prompt(max_req_input_len)
     if mode is CapacityMode.OFF or servable is None or advertised <= servable:
         return allow(GUARD, **fields)
-    reason = _servable_reason(role, advertised, servable, pool_tokens, page_size, reserved_decode_tokens, context_len)
-    if mode is CapacityMode.CLAMP and servable > 0:
-        limit = servable + 1
-        clamped = {**fields, "max_req_input_len": limit, "original_max_req_input_len": max_req_input_len,
-                   "context_len": min(context_len, limit + SGLANG_MARGIN), "original_context_len": context_len}
-        return Decision(GUARD, Verdict.CLAMP,
-                        f"clamping max_req_input_len {max_req_input_len} -> {limit}; " + reason, None, clamped)
-    if mode is CapacityMode.LOG:
-        return Decision(GUARD, Verdict.REJECT, reason, None, {**fields, "log_only": True})
-    return Decision(GUARD, Verdict.REJECT, reason, None, fields)
+    return Decision(GUARD, Verdict.REJECT, _servable_reason(role, advertised, servable), None,
+                    {**fields, "log_only": True})

@@ -122,6 +122,11 @@ def ci_profiles(path: Path | None = None) -> list[str]:
     return list(tomllib.loads((path or pins_file()).read_text())["ci"].get("profiles", list(PROFILES)))
 
 
+def full_run_only(path: Path | None = None) -> list[str]:
+    """E2E cases (``<test module file>::<case>``) CI leaves to the full run (``[ci].full_run_only``)."""
+    return list(tomllib.loads((path or pins_file()).read_text())["ci"].get("full_run_only", []))
+
+
 def plugin_pins(path: Path | None = None) -> list[str]:
     """The testbed's pins the plugin supports (a recipe may exist for a release only the backport series serves, such
     as 0.5.18): what an e2e case of the plugin's guards runs on."""

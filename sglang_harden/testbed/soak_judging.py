@@ -35,6 +35,10 @@ def foreign_reads(trace: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "requests": len(set(at_first) | set(changed)),
         "rows": sum(at_first.values()) + sum(changed.values()),
+        # foreign rows the tracer sees only since issue 40: left by a request that never finished (aborted,
+        # disconnected, refused after allocation), or overwritten in part
+        "rows_of_unfinished_owners": sum(int(e.get("foreign_from_unfinished") or 0) for e in first),
+        "partial_rows": sum(int(e.get("partial_rows") or 0) for e in first),
         "examples": sorted(set(at_first) | set(changed))[:5],
         "traced_first_decodes": len(first),
         "tracer_errors": sum(1 for e in trace if e.get("event") == "error"),

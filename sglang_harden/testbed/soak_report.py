@@ -82,6 +82,11 @@ def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) ->
         ("foreign reads (rows / requests)",
          lambda r: "not traced" if r.foreign_reads is None else
          f"{r.foreign_reads['rows']} / {r.foreign_reads['requests']}"),
+        ("  of which unfinished owners / partial rows",
+         lambda r: "-" if r.foreign_reads is None else
+         f"{r.foreign_reads.get('rows_of_unfinished_owners', 0)} / {r.foreign_reads.get('partial_rows', 0)}"),
+        ("  first decode steps traced", lambda r: "-" if r.foreign_reads is None else
+         str(r.foreign_reads.get("traced_first_decodes", 0))),
         ("refusals by guard", lambda r: " ".join(f"{node}:{k}={v}" for node, d in r.refusals_by_guard.items()
                                                  for k, v in d.items()) or "-"),
         ("max time to refuse (s)", lambda r: _fmt(r.summary["refused_max_s"])),

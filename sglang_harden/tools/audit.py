@@ -9,7 +9,8 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
   precondition: a prompt between the two limits is rejected by prefill but reserved by decode);
 - ``prompt_limit_unservable``: a PD node advertises prompts (``< max_req_input_len``) its pool can never admit
   once paging and decode's reserved tokens are counted (``guards.capacity.largest_servable_prompt``); such a
-  prompt is neither served nor refused, it waits until the PD waiting timeout (issue 40 (a));
+  prompt is neither served nor refused by vanilla SGLang, it waits until the PD waiting timeout (issue 40 (a); the
+  hardened doors refuse it at once);
 - ``guards_missing``: neither an sglang-harden report in server info (``internal_states[i].sglang_harden``:
   armed guards and decision counts) nor guard decisions on ``/metrics``;
 - ``control_plane_unauthenticated``: a hardened PD node reports that its control plane (the bootstrap routes)
@@ -314,8 +315,8 @@ def _unservable_limit(node: Node) -> Finding | None:
         f"{node.role} accepts prompts up to {advertised} tokens (max_req_input_len {node.max_req_input_len}) but "
         f"its pool of {node.pool_tokens} tokens with page size {node.page_size}{reserve} serves at most "
         f"{servable}: a prompt of {servable + 1}..{advertised} tokens waits until the PD waiting timeout (raise "
-        f"--max-total-tokens / --mem-fraction-static, lower --context-length to {servable + 1 + SGLANG_MARGIN}, or "
-        "start hardened with --harden-capacity clamp)",
+        f"--max-total-tokens / --mem-fraction-static or lower --context-length to {servable + 1 + SGLANG_MARGIN}; a "
+        "hardened node refuses such a prompt at once with 400)",
     )
 
 

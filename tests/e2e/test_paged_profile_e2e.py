@@ -302,6 +302,15 @@ def test_flipped_bit_served_by_vanilla_found_by_the_digest(runs: dict[str, dict[
     assert before.get("checksum:allow", 0) >= len(SETUP.a_seeds), before
 
 
+def test_vanilla_decode_holds_a_front_door_refusal(runs: dict[str, dict[str, Any]]) -> None:
+    """The control of the patched series' abort notice (test_patched_incident.py): prefill's tokenizer refuses a
+    prompt longer than the context, and vanilla decode, holding a reservation for the room, waits out its timeout."""
+    vanilla = runs["vanilla"]["front_door"]
+    assert vanilla["prefill"]["status"] == 400 and "context length" in (vanilla["prefill_error"] or ""), vanilla
+    assert vanilla["decode_status"] != 200 and not vanilla["decode_generated"], vanilla
+    assert vanilla["decode_elapsed_s"] >= 0.8 * SETUP.waiting_timeout_s, vanilla
+
+
 @pytest.mark.proves("plugin", "abort_notify", control="self")
 def test_front_door_refusal_held_by_vanilla_told_to_hardened(runs: dict[str, dict[str, Any]]) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context while decode holds a reservation for the

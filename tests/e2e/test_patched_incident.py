@@ -323,9 +323,8 @@ def test_normal_requests_unchanged(incident: Any, pin: str) -> None:
         assert len(p.a.decode.output_ids or []) == SETUP.new_tokens
 
 
-@pytest.mark.proves(
-    "patch", "abort_notify", control="tests/e2e/test_incident.py::test_front_door_refusal_leaves_decode_holding",
-)
+@pytest.mark.proves("patch", "abort_notify",
+                    control="tests/e2e/test_paged_profile_e2e.py::test_vanilla_decode_holds_a_front_door_refusal")
 @pytest.mark.parametrize("pin", PINS)
 def test_patched_tokenizer_refusal_reaches_decode(incident: Any, pin: str) -> None:
     """Prefill's tokenizer refuses a prompt longer than the context before any scheduler sees it. The series posts

@@ -13,8 +13,9 @@ from fake_sglang import FakeNode, serve
 
 from sglang_harden.cli import main
 from sglang_harden.config import CapacityMode
+from sglang_harden.guards.admission import AdmissionView, decide_admission
 from sglang_harden.guards.base import Verdict
-from sglang_harden.guards.capacity import SGLANG_MARGIN, decide_servable, largest_servable_prompt
+from sglang_harden.guards.capacity import decide_servable, largest_servable_prompt
 
 POOL, PAGE, RESERVED, CONTEXT = 256, 16, 32, 256
 LIMIT = min(CONTEXT - 1, POOL - 1) - 5  # SGLang's max_req_input_len: 250, prompts up to 249 accepted
@@ -34,49 +35,47 @@ def test_decode_servable_prompt_rounds_to_pages_after_the_reserve() -> None:
 
 def test_roles_outside_pd_are_not_modelled() -> None:
     assert largest_servable_prompt("mixed", POOL, PAGE) is None
-    assert decide_servable("mixed", POOL, PAGE, 0, LIMIT, CONTEXT, CapacityMode.ENFORCE).verdict is Verdict.ALLOW
+    assert decide_servable("mixed", None, LIMIT, CapacityMode.ENFORCE).verdict is Verdict.ALLOW
 
 
-def test_paged_prefill_whose_advertised_limit_is_unservable_is_refused_naming_the_limit() -> None:
-    d = decide_servable("prefill", POOL, PAGE, 0, LIMIT, CONTEXT, CapacityMode.ENFORCE)
-    assert d.verdict is Verdict.REJECT
+def test_a_start_up_limit_the_pool_cannot_serve_is_warned_naming_the_gap() -> None:
+    d = decide_servable("prefill", 238, LIMIT, CapacityMode.ENFORCE)
+    assert d.verdict is Verdict.REJECT and d.fields["log_only"] is True  # the node starts; the doors refuse the gap
     assert d.fields["servable_prompt"] == 238
-    for text in ("up to 249", "max_req_input_len=250", "serves at most 238", "page size 16", "239..249",
-                 "--context-length to 245", "--harden-capacity clamp"):
+    for text in ("up to 249", "max_req_input_len=250", "serves at most 238", "239..249", "refuse",
+                 "--context-length to 245"):
         assert text in d.reason, (text, d.reason)
 
 
 def test_the_boundary_is_exact() -> None:
-    # max_req_input_len 239 advertises 238 = servable: allowed; 240 advertises 239: refused
-    assert decide_servable("prefill", POOL, PAGE, 0, 239, CONTEXT, CapacityMode.ENFORCE).verdict is Verdict.ALLOW
-    assert decide_servable("prefill", POOL, PAGE, 0, 240, CONTEXT, CapacityMode.ENFORCE).verdict is Verdict.REJECT
-    assert decide_servable("decode", POOL, PAGE, RESERVED, 225, CONTEXT, CapacityMode.ENFORCE).allows
-    assert not decide_servable("decode", POOL, PAGE, RESERVED, 226, CONTEXT, CapacityMode.ENFORCE).allows
+    # max_req_input_len 239 advertises 238 = servable: allowed; 240 advertises 239: warned
+    assert decide_servable("prefill", 238, 239, CapacityMode.ENFORCE).allows
+    assert not decide_servable("prefill", 238, 240, CapacityMode.ENFORCE).allows
+    decode = largest_servable_prompt("decode", POOL, PAGE, RESERVED)
+    assert decide_servable("decode", decode, 225, CapacityMode.ENFORCE).allows
+    assert not decide_servable("decode", decode, 226, CapacityMode.ENFORCE).allows
 
 
 def test_page_one_prefill_with_sglangs_own_limit_is_allowed() -> None:
-    d = decide_servable("prefill", POOL, 1, 0, LIMIT, CONTEXT, CapacityMode.ENFORCE)
-    assert d.verdict is Verdict.ALLOW
+    assert decide_servable("prefill", largest_servable_prompt("prefill", POOL, 1), LIMIT, CapacityMode.ENFORCE).allows
 
 
-def test_clamp_lowers_the_limit_to_what_the_pool_serves() -> None:
-    d = decide_servable("prefill", POOL, PAGE, 0, LIMIT, CONTEXT, CapacityMode.CLAMP)
-    assert d.verdict is Verdict.CLAMP
-    assert d.fields["max_req_input_len"] == 239  # prompts up to 238 accepted, 239.. refused at the door
-    assert d.fields["context_len"] == 239 + SGLANG_MARGIN
-    assert d.fields["original_max_req_input_len"] == LIMIT
-    assert "clamping max_req_input_len 250 -> 239" in d.reason
+def test_every_mode_but_off_warns() -> None:
+    for mode in (CapacityMode.LOG, CapacityMode.CLAMP, CapacityMode.ENFORCE):
+        assert decide_servable("prefill", 238, LIMIT, mode).fields.get("log_only") is True
+    assert decide_servable("prefill", 238, LIMIT, CapacityMode.OFF).allows
 
 
-def test_clamp_with_no_servable_prompt_refuses() -> None:
-    d = decide_servable("decode", 32, PAGE, RESERVED, 26, 32, CapacityMode.CLAMP)
-    assert d.verdict is Verdict.REJECT
+def test_the_door_refuses_a_prompt_the_pool_cannot_serve_at_once() -> None:
+    def view(prompt_len: int) -> AdmissionView:
+        return AdmissionView("r1", "prefill", prompt_len, None, LIMIT, servable=238)
 
-
-def test_log_mode_warns_and_off_allows() -> None:
-    d = decide_servable("prefill", POOL, PAGE, 0, LIMIT, CONTEXT, CapacityMode.LOG)
-    assert d.verdict is Verdict.REJECT and d.fields["log_only"] is True
-    assert decide_servable("prefill", POOL, PAGE, 0, LIMIT, CONTEXT, CapacityMode.OFF).allows
+    assert decide_admission(view(238)).allows
+    refused = decide_admission(view(239))
+    assert refused.verdict is Verdict.REJECT and refused.status_code == 400
+    assert "239 tokens" in refused.reason and "(238 tokens" in refused.reason, refused.reason
+    assert refused.fields["servable"] == 238
+    assert decide_admission(AdmissionView("r1", "prefill", 239, None, LIMIT)).allows  # not modelled: limit only
 
 
 class PagedNode(FakeNode):

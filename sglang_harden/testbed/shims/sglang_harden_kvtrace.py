@@ -3,11 +3,20 @@
 Runs inside the decode server's scheduler process. Two events, written as JSON lines to
 ``$SGLANG_HARDEN_TESTBED_KVTRACE_DIR/kvtrace-<pid>.jsonl``:
 
-- ``release``: when a request finishes, the KV rows of its slots are fingerprinted (slot -> rid, hash).
+- ``release``: when a request finishes, the KV rows of its slots are fingerprinted (slot -> rid, hash of each
+  layer's K and V part of the row).
 - ``first_decode``: right before a request's first decode forward, each of its context slots is hashed and
   compared with the recorded fingerprints: a slot whose content is byte-identical to what another request
   left there was never overwritten by this request's own transfer, so the decode step reads that other
-  request's KV ("pages of A read by B"). ``pages`` lists the KV pages its context occupies.
+  request's KV ("pages of A read by B"). A row where only some parts (a layer, K or V) still hold the other
+  request's bytes is a foreign read as well (``partial_rows``: a transfer that wrote part of the row).
+  ``pages`` lists the KV pages its context occupies.
+
+Owners are recorded for every request that ever held a slot, not only for those that finish: decode's
+preallocation (``DecodePreallocQueue._pre_alloc``) names the holder of each slot, and every free of the
+allocator fingerprints the freed slots under that holder (a request aborted in a queue, disconnected, retracted or
+refused after its pages were allocated). ``foreign_from_unfinished`` counts the foreign rows whose last owner never
+finished (the tracer saw those only through the free).
 
 A third look closes the gap between the two: when decode commits a request's finished transfer
 (``DecodeTransferQueue._commit_transfer_to_req``) its context rows are hashed, and ``first_decode`` reports
@@ -33,11 +42,14 @@ from sglang_harden_shimkit import append_trace_line, pool_idx, wrap_methods_once
 from sglang_harden._importhook import when_imported
 
 _lock = threading.Lock()
-# slot -> (rid of the last owner at its release, row hash, key of the owner's token ids up to that row)
-_owners: dict[int, tuple[str, str, int]] = {}
+# slot -> (rid of the last owner, the row's part hashes then, key of the owner's token ids up to that row, how the
+# owner was recorded: "finished" at its release, "freed" when its pages were freed without a release)
+_owners: dict[int, tuple[str, tuple[str, ...], int, str]] = {}
+_holders: dict[int, tuple[str, int]] = {}  # slot -> (rid, key) of the request decode preallocated it for
 _seen_decode: set[str] = set()
-_context_at_first_decode: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
-_context_at_commit: dict[str, tuple[list[int], list[str]]] = {}  # rid -> (context slots, row hashes)
+RowHash = tuple[str, ...]  # one hash per K/V part of each layer
+_context_at_first_decode: dict[str, tuple[list[int], list[RowHash]]] = {}  # rid -> (context slots, row hashes)
+_context_at_commit: dict[str, tuple[list[int], list[RowHash]]] = {}  # rid -> (context slots, row hashes)
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -67,17 +79,29 @@ def _slots(scheduler: Any, req: Any, length: int) -> list[int]:
     return [int(s) for s in scheduler.req_to_token_pool.req_to_token[idx, :length].tolist()]
 
 
-def _row_hashes(scheduler: Any, slots: list[int]) -> list[str]:
+def _row_hashes(scheduler: Any, slots: list[int]) -> list[RowHash]:
+    """Per slot, one hash per part of its KV row (each layer's K, then each layer's V)."""
     import torch
 
     if not slots:
         return []
     k_bufs, v_bufs = _kv_buffers(scheduler)
     index = torch.tensor(slots, dtype=torch.long, device=k_bufs[0].device)
-    parts = [buf.index_select(0, index).reshape(len(slots), -1) for buf in (*k_bufs, *v_bufs)]
-    rows = torch.cat(parts, dim=1).contiguous().cpu()
-    raw = rows.view(torch.uint8).numpy()
-    return [hashlib.blake2b(raw[i].tobytes(), digest_size=8).hexdigest() for i in range(len(slots))]
+    parts = [buf.index_select(0, index).reshape(len(slots), -1).contiguous().cpu().view(torch.uint8).numpy()
+             for buf in (*k_bufs, *v_bufs)]
+    return [tuple(hashlib.blake2b(part[i].tobytes(), digest_size=8).hexdigest() for part in parts)
+            for i in range(len(slots))]
+
+
+def kept_parts(before: RowHash, now: RowHash) -> str:
+    """``"all"``: the row is byte-identical; ``"part"``: some part of a layer past the first still holds the earlier
+    bytes; ``"none"``. The first layer's K and V depend only on the token (and its position), not on the prefix, so
+    another request with the same token there writes the same bytes: those parts alone prove nothing."""
+    if before == now:
+        return "all"
+    layers = len(now) // 2
+    deep = [i for i in range(len(now)) if i % layers != 0]
+    return "part" if any(before[i] == now[i] for i in deep) else "none"
 
 
 def _pages(scheduler: Any, slots: list[int]) -> list[int]:
@@ -114,16 +138,21 @@ def _first_decode(scheduler: Any, req: Any) -> None:
     hashes = _row_hashes(scheduler, slots)
     mine = prefix_keys(_tokens(req), len(slots))
     matches: Counter[str] = Counter()
-    same_prefix = 0
+    same_prefix = partial = unfinished = 0
     with _lock:
         for slot, digest, key in zip(slots, hashes, mine, strict=True):
             owner = _owners.get(slot)
-            if owner is None or owner[0] == req.rid or owner[1] != digest:
+            if owner is None or owner[0] == req.rid:
+                continue
+            kept = kept_parts(owner[1], digest)
+            if kept == "none":
                 continue
             if owner[2] == key:
-                same_prefix += 1
-            else:
-                matches[owner[0]] += 1
+                same_prefix += kept == "all"
+                continue
+            matches[owner[0]] += 1
+            partial += kept == "part"
+            unfinished += owner[3] == "freed"
     with _lock:
         _context_at_first_decode[req.rid] = (slots, hashes)
         committed = _context_at_commit.pop(req.rid, None)
@@ -138,12 +167,15 @@ def _first_decode(scheduler: Any, req: Any) -> None:
             "foreign_rows": dict(matches),
             "foreign_total": sum(matches.values()),
             "same_prefix_rows": same_prefix,
+            "partial_rows": partial,
+            "foreign_from_unfinished": unfinished,
             "rows_changed_since_commit": since_commit,
         }
     )
 
 
-def _rows_changed(before: tuple[list[int], list[str]] | None, slots: list[int], hashes: list[str]) -> int | None:
+def _rows_changed(before: tuple[list[int], list[RowHash]] | None, slots: list[int], hashes: list[RowHash]
+                  ) -> int | None:
     """Rows (by slot) whose hash differs from an earlier look; None when there was no earlier look."""
     if before is None:
         return None
@@ -181,6 +213,58 @@ def _wrap_admit(original: Any) -> Any:
     return add
 
 
+def _wrap_pre_alloc(original: Any) -> Any:
+    @functools.wraps(original)
+    def pre_alloc(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, req, *args, **kwargs)
+        try:
+            slots = _slots(self.scheduler, req, _context_len(req))
+            keys = prefix_keys(_tokens(req), len(slots))
+            with _lock:
+                for slot, key in zip(slots, keys, strict=True):
+                    _holders[slot] = (str(req.rid), key)
+            _watch_frees(self.scheduler)
+        except Exception as exc:
+            _emit({"event": "error", "where": "pre_alloc", "error": repr(exc)})
+        return out
+
+    return pre_alloc
+
+
+def _watch_frees(scheduler: Any) -> None:
+    """Wrap this scheduler's allocator ``free`` (the instance, once): freed slots with a known holder are recorded
+    as that holder's, whatever path freed them."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    if getattr(allocator, "_sglang_harden_kvtrace_free", False):
+        return
+    original = allocator.free
+
+    def free(free_index: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            _record_freed(scheduler, free_index)
+        except Exception as exc:
+            _emit({"event": "error", "where": "free", "error": repr(exc)})
+        return original(free_index, *args, **kwargs)
+
+    allocator.free = free
+    allocator._sglang_harden_kvtrace_free = True
+
+
+def _record_freed(scheduler: Any, free_index: Any) -> None:
+    if free_index is None or not hasattr(free_index, "tolist"):
+        return
+    with _lock:
+        held = [(int(s), _holders.pop(int(s))) for s in free_index.tolist() if int(s) in _holders]
+    if not held:
+        return
+    hashes = _row_hashes(scheduler, [slot for slot, _ in held])
+    with _lock:
+        for (slot, (rid, key)), digest in zip(held, hashes, strict=True):
+            _owners[slot] = (rid, digest, key, "freed")
+    for rid, rows in Counter(rid for _, (rid, _) in held).items():
+        _emit({"event": "freed", "rid": rid, "rows": rows})
+
+
 def _patch_decode(module: ModuleType) -> None:
     queue = getattr(module, "DecodeTransferQueue", None)
     if queue is not None and hasattr(queue, "_commit_transfer_to_req"):
@@ -188,6 +272,8 @@ def _patch_decode(module: ModuleType) -> None:
     prealloc = getattr(module, "DecodePreallocQueue", None)
     if prealloc is not None and hasattr(prealloc, "add"):
         wrap_methods_once(prealloc, "_sglang_harden_kvtrace_admit", {"add": _wrap_admit})
+    if prealloc is not None and hasattr(prealloc, "_pre_alloc"):
+        wrap_methods_once(prealloc, "_sglang_harden_kvtrace_hold", {"_pre_alloc": _wrap_pre_alloc})
 
 
 def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
@@ -196,7 +282,8 @@ def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
     keys += [-1] * (len(slots) - len(keys))
     with _lock:
         for slot, digest, key in zip(slots, hashes, keys, strict=True):
-            _owners[slot] = (req.rid, digest, key)
+            _owners[slot] = (req.rid, digest, key, "finished")
+            _holders.pop(slot, None)
     with _lock:
         before = _context_at_first_decode.pop(req.rid, None)
     changed = _rows_changed(before, slots, hashes)  # prompt KV must not change while it decodes (late write)
