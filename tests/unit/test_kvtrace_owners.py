@@ -103,7 +103,7 @@ def test_a_row_overwritten_only_in_part_is_foreign(tracer: Any) -> None:
     tracer._first_decode(sched, b)
     event = next(e for e in tracer.test_events() if e["event"] == "first_decode")
     assert event["foreign_total"] == 3 and event["partial_rows"] == 3, event
-    owner = [tracer._owners[s][1] for s in slots]
+    owner = [tracer._owners[s][0] for s in slots]
     assert _earlier_rules_foreign(owner, tracer._row_hashes(sched, slots), finished=True) == 0
 
 
@@ -119,3 +119,77 @@ def test_a_fully_rewritten_row_and_a_shared_first_layer_are_not_foreign(tracer: 
     tracer._first_decode(sched, b)
     event = next(e for e in tracer.test_events() if e["event"] == "first_decode")
     assert event["foreign_total"] == 0 and event["partial_rows"] == 0, event
+
+
+class PagedAllocator(Allocator):
+    """SGLang 0.5.19+'s paged release shape: a request's row goes back by segments, page ids straight to
+    ``_release_page_ids``, never through ``free``."""
+
+    page_size = 2
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__(pool)
+        self.released_pages: list[list[int]] = []
+
+    def free_segment(self, index: Any) -> None:
+        self._release_page_ids(index[:: self.page_size] // self.page_size)
+
+    def _release_page_ids(self, *page_ids: Any) -> None:
+        self.released_pages.extend(ids.tolist() for ids in page_ids)
+
+
+def test_an_aborted_owner_freed_by_page_ids_is_recorded(tracer: Any) -> None:
+    sched = _scheduler()
+    sched.page_size = 2
+    paged = PagedAllocator(sched.token_to_kv_pool_allocator.pool)
+    sched.token_to_kv_pool_allocator = paged
+    slots = [4, 5, 6, 7]
+    a = _req("A", 0, [11, 12, 13, 14], slots, sched)
+    tracer.test_pre_alloc(sched, a)
+    _write(sched, slots, 100.0)
+    paged.free_segment(torch.tensor(slots))  # aborted in transfer: its row goes back by page ids
+    assert paged.released_pages == [[2, 3]] and paged.freed == []  # SGLang's own release ran; free never did
+    assert [(e["rid"], e["rows"]) for e in tracer.test_events() if e["event"] == "freed"] == [("A", 4)]
+
+    b = _req("B", 1, [21, 22, 23, 24], slots, sched)
+    tracer.test_pre_alloc(sched, b)
+    tracer._first_decode(sched, b)
+    event = next(e for e in tracer.test_events() if e["event"] == "first_decode")
+    assert event["foreign_rows"] == {"A": 4} and event["foreign_from_unfinished"] == 4, event
+
+
+def test_a_holder_that_never_wrote_leaves_the_earlier_writer_named(tracer: Any) -> None:
+    """Z (tenant prefix P) finished in these slots; A (another prefix) held them and was aborted before its transfer
+    wrote; B (prefix P, Z's tenant) got them and its own transfer wrote bytes identical to Z's. B reads no one's KV:
+    the bytes A 'left' are Z's, the same KV as B's. Recording A as the writer of everything it held (the rule before)
+    calls B's own rows foreign."""
+    sched = _scheduler()
+    slots = [20, 21, 22]
+    z = _req("Z", 0, [7, 8, 9], slots, sched)
+    _write(sched, slots, 30.0)
+    tracer._release(sched, z, slots)
+    a = _req("A", 1, [1, 2, 3], slots, sched)
+    tracer.test_pre_alloc(sched, a)
+    sched.token_to_kv_pool_allocator.free(torch.tensor(slots))  # aborted before any byte landed
+    assert [w[0] for w in tracer._owners[20][1]] == ["Z"] * (2 * LAYERS)
+    b = _req("B", 2, [7, 8, 9], slots, sched)
+    _write(sched, slots, 30.0)  # B's transfer: the same KV as Z's (same prefix)
+    tracer._first_decode(sched, b)
+    event = next(e for e in tracer.test_events() if e["event"] == "first_decode")
+    assert event["foreign_total"] == 0 and event["same_prefix_rows"] == 3, event
+    holder_rule = tracer.foreign_parts((tracer._owners[20][0], (("A", -1, "freed"),) * (2 * LAYERS)),
+                                       tracer._row_hashes(sched, [20])[0], "B", 0)
+    assert holder_rule is not None  # the earlier rule saw A's rows in B
+
+
+def test_a_request_freed_then_released_is_finished(tracer: Any) -> None:
+    """SGLang frees a finished request's pages before the tracer's release record: the owner is then finished."""
+    sched = _scheduler()
+    slots = [24, 25]
+    a = _req("A", 0, [3, 4], slots, sched)
+    tracer.test_pre_alloc(sched, a)
+    _write(sched, slots, 40.0)
+    sched.token_to_kv_pool_allocator.free(torch.tensor(slots))
+    assert {w[2] for w in tracer._owners[24][1]} == {"freed"}
+    tracer._release(sched, a, slots)
+    assert {w for w in tracer._owners[24][1]} == {("A", tracer.prefix_keys([3, 4], 1)[0], "finished")}

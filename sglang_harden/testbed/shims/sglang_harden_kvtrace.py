@@ -14,9 +14,13 @@ Runs inside the decode server's scheduler process. Two events, written as JSON l
 
 Owners are recorded for every request that ever held a slot, not only for those that finish: decode's
 preallocation (``DecodePreallocQueue._pre_alloc``) names the holder of each slot, and every free of the
-allocator fingerprints the freed slots under that holder (a request aborted in a queue, disconnected, retracted or
-refused after its pages were allocated). ``foreign_from_unfinished`` counts the foreign rows whose last owner never
-finished (the tracer saw those only through the free).
+allocator (``free``, and on a paged allocator the page-level ``_release_page_ids`` that SGLang's segment frees
+reach without ``free``) fingerprints the freed slots under that holder (a request aborted in a queue, disconnected,
+retracted or refused after its pages were allocated). The writer is kept per part: a part whose bytes did not
+change since the record before keeps that record's writer (a holder aborted before its transfer wrote, a stub that
+never got its prompt's KV, left another request's bytes, not its own), so a reader with the true writer's prefix
+(the same KV) is not charged. ``foreign_from_unfinished`` counts the foreign rows whose writer never finished (the
+tracer saw those only through the free).
 
 A third look closes the gap between the two: when decode commits a request's finished transfer
 (``DecodeTransferQueue._commit_transfer_to_req``) its context rows are hashed, and ``first_decode`` reports
@@ -42,12 +46,15 @@ from sglang_harden_shimkit import append_trace_line, pool_idx, wrap_methods_once
 from sglang_harden._importhook import when_imported
 
 _lock = threading.Lock()
-# slot -> (rid of the last owner, the row's part hashes then, key of the owner's token ids up to that row, how the
-# owner was recorded: "finished" at its release, "freed" when its pages were freed without a release)
-_owners: dict[int, tuple[str, tuple[str, ...], int, str]] = {}
+RowHash = tuple[str, ...]  # one hash per K/V part of each layer
+# who wrote a part's bytes: (rid, key of its token ids up to that row, how it was recorded: "finished" at its release,
+# "freed" when its pages were freed without a release)
+Writer = tuple[str, int, str]
+# slot -> (the row's part hashes at the last record, the writer of each part): a part whose bytes did not change
+# since the record before keeps that record's writer (a holder whose transfer never wrote there left another's bytes)
+_owners: dict[int, tuple[RowHash, tuple[Writer, ...]]] = {}
 _holders: dict[int, tuple[str, int]] = {}  # slot -> (rid, key) of the request decode preallocated it for
 _seen_decode: set[str] = set()
-RowHash = tuple[str, ...]  # one hash per K/V part of each layer
 _context_at_first_decode: dict[str, tuple[list[int], list[RowHash]]] = {}  # rid -> (context slots, row hashes)
 _context_at_commit: dict[str, tuple[list[int], list[RowHash]]] = {}  # rid -> (context slots, row hashes)
 
@@ -93,15 +100,38 @@ def _row_hashes(scheduler: Any, slots: list[int]) -> list[RowHash]:
             for i in range(len(slots))]
 
 
-def kept_parts(before: RowHash, now: RowHash) -> str:
-    """``"all"``: the row is byte-identical; ``"part"``: some part of a layer past the first still holds the earlier
-    bytes; ``"none"``. The first layer's K and V depend only on the token (and its position), not on the prefix, so
-    another request with the same token there writes the same bytes: those parts alone prove nothing."""
-    if before == now:
-        return "all"
-    layers = len(now) // 2
-    deep = [i for i in range(len(now)) if i % layers != 0]
-    return "part" if any(before[i] == now[i] for i in deep) else "none"
+def _deep_parts(row: RowHash) -> list[int]:
+    """The parts of layers past the first. The first layer's K and V depend only on the token (and its position), not
+    on the prefix, so another request with the same token there writes the same bytes: those parts prove nothing."""
+    layers = len(row) // 2
+    return [i for i in range(len(row)) if i % layers != 0]
+
+
+def foreign_parts(owner: tuple[RowHash, tuple[Writer, ...]], now: RowHash, rid: str, key: int
+                  ) -> tuple[Writer, bool] | None:
+    """Whether a reader (``rid``, prefix ``key``) reads another request's bytes in this row: some deep part still holds
+    what a different request with a different prefix wrote. ``(that writer, whether the whole row is unchanged since
+    the record)`` (not whole: a transfer wrote part of it), or None (the reader's own bytes, or a same-prefix
+    request's: the same KV)."""
+    recorded, writers = owner
+    deep = _deep_parts(now)
+    foreign = [i for i in deep if recorded[i] == now[i] and writers[i][0] != rid and writers[i][1] != key]
+    if not foreign:
+        return None
+    return writers[foreign[0]], recorded == now
+
+
+def _record_owner(slot: int, digest: RowHash, writer: Writer) -> None:
+    """The row's bytes now, each part's writer: ``writer`` for what changed since the last record, else the earlier
+    writer; a second record of the same request (freed, then released as finished) updates how (caller holds the
+    lock)."""
+    before = _owners.get(slot)
+    if before is None or len(before[0]) != len(digest):
+        _owners[slot] = (digest, (writer,) * len(digest))
+        return
+    kept = before[1]
+    _owners[slot] = (digest, tuple(kept[i] if before[0][i] == digest[i] and kept[i][0] != writer[0] else writer
+                                   for i in range(len(digest))))
 
 
 def _pages(scheduler: Any, slots: list[int]) -> list[int]:
@@ -142,17 +172,16 @@ def _first_decode(scheduler: Any, req: Any) -> None:
     with _lock:
         for slot, digest, key in zip(slots, hashes, mine, strict=True):
             owner = _owners.get(slot)
-            if owner is None or owner[0] == req.rid:
+            if owner is None:
                 continue
-            kept = kept_parts(owner[1], digest)
-            if kept == "none":
+            found = foreign_parts(owner, digest, str(req.rid), key)
+            if found is None:
+                same_prefix += owner[0] == digest
                 continue
-            if owner[2] == key:
-                same_prefix += kept == "all"
-                continue
-            matches[owner[0]] += 1
-            partial += kept == "part"
-            unfinished += owner[3] == "freed"
+            writer, whole = found
+            matches[writer[0]] += 1
+            partial += not whole
+            unfinished += writer[2] == "freed"
     with _lock:
         _context_at_first_decode[req.rid] = (slots, hashes)
         committed = _context_at_commit.pop(req.rid, None)
@@ -232,35 +261,48 @@ def _wrap_pre_alloc(original: Any) -> Any:
 
 
 def _watch_frees(scheduler: Any) -> None:
-    """Wrap this scheduler's allocator ``free`` (the instance, once): freed slots with a known holder are recorded
-    as that holder's, whatever path freed them."""
+    """Wrap this scheduler's allocator (the instance, once) where SGLang's frees pass: ``free`` and, on a paged
+    allocator, ``_release_page_ids``, which the segment frees of 0.5.19+ (``free_segments`` -> ``free_page_ids``)
+    reach without passing ``free``. Freed slots with a known holder are recorded as that holder's, whatever path
+    freed them."""
     allocator = scheduler.token_to_kv_pool_allocator
     if getattr(allocator, "_sglang_harden_kvtrace_free", False):
         return
-    original = allocator.free
-
-    def free(free_index: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            _record_freed(scheduler, free_index)
-        except Exception as exc:
-            _emit({"event": "error", "where": "free", "error": repr(exc)})
-        return original(free_index, *args, **kwargs)
-
-    allocator.free = free
+    page_size = int(getattr(allocator, "page_size", None) or getattr(scheduler, "page_size", None) or 1)
+    allocator.free = _recording(scheduler, allocator.free, "free", lambda index: index.tolist())
+    if page_size > 1 and hasattr(allocator, "_release_page_ids"):
+        allocator._release_page_ids = _recording(
+            scheduler, allocator._release_page_ids, "release_pages",
+            lambda *page_ids: _slots_of_pages(page_ids, page_size))
     allocator._sglang_harden_kvtrace_free = True
 
 
-def _record_freed(scheduler: Any, free_index: Any) -> None:
-    if free_index is None or not hasattr(free_index, "tolist"):
-        return
+def _recording(scheduler: Any, original: Any, where: str, slots_of: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            if args and all(hasattr(a, "tolist") for a in args):
+                _record_freed(scheduler, slots_of(*args))
+        except Exception as exc:  # a tracer must never take the server down
+            _emit({"event": "error", "where": where, "error": repr(exc)})
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _slots_of_pages(page_ids: tuple[Any, ...], page_size: int) -> list[int]:
+    return [page * page_size + i for ids in page_ids for page in ids.tolist() for i in range(page_size)]
+
+
+def _record_freed(scheduler: Any, freed_slots: list[int]) -> None:
     with _lock:
-        held = [(int(s), _holders.pop(int(s))) for s in free_index.tolist() if int(s) in _holders]
+        held = [(int(s), _holders.pop(int(s))) for s in freed_slots if int(s) in _holders]
     if not held:
         return
     hashes = _row_hashes(scheduler, [slot for slot, _ in held])
     with _lock:
         for (slot, (rid, key)), digest in zip(held, hashes, strict=True):
-            _owners[slot] = (rid, digest, key, "freed")
+            _record_owner(slot, digest, (rid, key, "freed"))
     for rid, rows in Counter(rid for _, (rid, _) in held).items():
         _emit({"event": "freed", "rid": rid, "rows": rows})
 
@@ -282,7 +324,7 @@ def _release(scheduler: Any, req: Any, slots: list[int]) -> None:
     keys += [-1] * (len(slots) - len(keys))
     with _lock:
         for slot, digest, key in zip(slots, hashes, keys, strict=True):
-            _owners[slot] = (req.rid, digest, key, "finished")
+            _record_owner(slot, digest, (str(req.rid), key, "finished"))
             _holders.pop(slot, None)
     with _lock:
         before = _context_at_first_decode.pop(req.rid, None)
