@@ -86,13 +86,18 @@ def _run(pin: str, variant: str, log_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=CASES)
-def run(request: pytest.FixtureRequest, require_pin: Callable[[str], None],
-        tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pin, variant = str(request.param).split("/")
-    require_pin(pin)
-    result = run_once(_runs, request.param,
-                      lambda: _run(pin, variant, tmp_path_factory.mktemp(f"gpu-{pin}-{variant}")))
-    return {**result, "pin": pin, "variant": variant}
+def pin(request: pytest.FixtureRequest) -> str:
+    """The case, ``<pin>/<variant>``: named ``pin`` so that tests/conftest.py gives each case one xdist group (one
+    worker starts its pair; as ``run``'s own parameter both workers started every pair)."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def run(pin: str, require_pin: Callable[[str], None], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    version, variant = pin.split("/")
+    require_pin(version)
+    result = run_once(_runs, pin, lambda: _run(version, variant, tmp_path_factory.mktemp(f"gpu-{version}-{variant}")))
+    return {**result, "pin": version, "variant": variant}
 
 
 def test_every_request_was_served(run: dict[str, Any]) -> None:
