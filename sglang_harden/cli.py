@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from sglang_harden import __version__
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sglang_harden.tools.demo", "reproduce the incident on a tiny local model, vanilla vs hardened"),
     "doctor": ("sglang_harden.tools.doctor", "which protections this SGLang has, which guards are live"),
@@ -33,6 +35,7 @@ def _known_command(argv: list[str]) -> str | None:
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sglang-harden", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sglang-harden {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)

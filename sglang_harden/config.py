@@ -6,24 +6,40 @@ detokenizer) read the same settings through :func:`load_config`.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from dataclasses import dataclass, field, fields
-from enum import StrEnum
+
+from sglang_harden._pycompat import StrValueEnum
 
 logger = logging.getLogger("sglang_harden")
 
 ENV_PREFIX = "SGLANG_HARDEN_"
 ACTIVATE_ENV = "SGLANG_HARDEN_ACTIVATE"
+# One switch for every guard and the capacity gate (log: decide and count, refuse nothing); a guard's own
+# variable overrides it.
+MODE_ENV = "SGLANG_HARDEN_MODE"
+ROLLOUT_MODES = ("log", "enforce")
+# SGLANG_HARDEN_* names read outside HardenConfig: the plugin's own switches, then the tools' and the test suite's
+# (servers started by the tools and tests inherit them). Any other name refuses to start (a mistyped setting must
+# not silently leave a guard at its default).
+OTHER_VARIABLES = frozenset({
+    "ACTIVATE", "MODE", "TIME_HOOKS", "NATIVE_DIGEST", "NATIVE_LEDGER",
+    "HOME", "PATCHES", "PINS", "PINS_FILE", "MIN_FREE_GB", "TORCH_WHEEL",
+    "MATRIX_RESULTS", "FULL_RUN", "STRICT_SKIPS", "TEST_WORKERS", "TEST_PROFILES", "E2E_PIN", "MODEL_PROFILE",
+    "FUZZ_EXAMPLES", "WIRE_FUZZ_EXAMPLES",
+})
+TESTBED_PREFIX = ENV_PREFIX + "TESTBED_"  # the CPU testbed's fault injection and tracing, never set on a fleet
 
 
-class Mode(StrEnum):
+class Mode(StrValueEnum):
     ENFORCE = "enforce"
     LOG = "log"
     OFF = "off"
 
 
-class CapacityMode(StrEnum):
+class CapacityMode(StrValueEnum):
     ENFORCE = "enforce"
     CLAMP = "clamp"
     LOG = "log"
@@ -113,17 +129,52 @@ def _parse_field(name: str, raw: str, default: object) -> object:
     return raw
 
 
+def setting_names() -> frozenset[str]:
+    """Every ``SGLANG_HARDEN_*`` name sglang-harden reads (the testbed's ``SGLANG_HARDEN_TESTBED_*`` aside)."""
+    return frozenset(ENV_PREFIX + f.name.upper() for f in fields(HardenConfig) if f.name != "extra") | frozenset(
+        ENV_PREFIX + name for name in OTHER_VARIABLES)
+
+
+def check_setting_names(environ: dict[str, str] | os._Environ[str]) -> None:
+    """Raise ConfigError naming each unknown ``SGLANG_HARDEN_*`` variable and the nearest known name."""
+    known = setting_names()
+    problems = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name.startswith(TESTBED_PREFIX):
+            continue
+        suffixes = [known_name.removeprefix(ENV_PREFIX) for known_name in known]
+        nearest = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), suffixes, n=1, cutoff=0.6)
+        problems.append(name + (f" (did you mean {ENV_PREFIX}{nearest[0]}?)" if nearest else ""))
+    if problems:
+        raise ConfigError("unknown setting " + ", ".join(problems) + "; known settings: docs/configuration.md")
+
+
+def rollout_mode(environ: dict[str, str] | os._Environ[str]) -> Mode | None:
+    """``SGLANG_HARDEN_MODE`` (log or enforce), or None when unset."""
+    raw = environ.get(MODE_ENV)
+    if raw is None:
+        return None
+    if raw.strip().lower() not in ROLLOUT_MODES:
+        raise ConfigError(f"{MODE_ENV}={raw!r}: must be one of {', '.join(ROLLOUT_MODES)}")
+    return Mode(raw.strip().lower())
+
+
 def load_config(environ: dict[str, str] | None = None) -> HardenConfig:
-    """Read the configuration from ``SGLANG_HARDEN_<FIELD>`` env vars; unknown values raise ConfigError."""
+    """Read the configuration from ``SGLANG_HARDEN_<FIELD>`` env vars (``SGLANG_HARDEN_MODE`` first, for every
+    guard and the capacity gate); an unknown name or value raises ConfigError."""
     env = os.environ if environ is None else environ
+    check_setting_names(env)
     defaults = HardenConfig()
     values: dict[str, object] = {}
+    mode = rollout_mode(env)
     for f in fields(HardenConfig):
         if f.name == "extra":
             continue
         raw = env.get(ENV_PREFIX + f.name.upper())
         if raw is not None:
             values[f.name] = _parse_field(f.name, raw, getattr(defaults, f.name))
+        elif mode is not None and isinstance(getattr(defaults, f.name), (Mode, CapacityMode)):
+            values[f.name] = type(getattr(defaults, f.name))(mode.value)
     config = HardenConfig(**values)
     _warn_disabled(config)
     return config

@@ -211,3 +211,26 @@ def set_quarantined_pages(value: int) -> None:
             _gauge_failed = True
     if _gauge is not None:
         _gauge.set(value)
+
+
+# ---------------------------------------------------------------- what runs where
+
+BUILD_INFO_NAME = "sglang_harden_build_info"
+BUILD_INFO_LABELS = ("version", "pin", "family", "role", "mode")
+_build_info: Any = None
+_build_info_failed = False
+
+
+def publish_build_info(**labels: str) -> None:
+    """``sglang_harden_build_info{version,pin,family,role,mode} 1`` on ``/metrics`` (where prometheus_client is)."""
+    global _build_info, _build_info_failed
+    if _build_info is None and not _build_info_failed:
+        try:
+            from prometheus_client import Gauge
+
+            _build_info = Gauge(BUILD_INFO_NAME, "sglang-harden version, SGLang pin and rollout mode of this process",
+                                labelnames=BUILD_INFO_LABELS, multiprocess_mode="max")
+        except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a start
+            _build_info_failed = True
+    if _build_info is not None:
+        _build_info.labels(**{name: labels[name] for name in BUILD_INFO_LABELS}).set(1)

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         activate(source="launcher")
         reconfigure()
-    except HardenRefusal as exc:
-        print(str(exc), file=sys.stderr)
+    except (HardenRefusal, ConfigError) as exc:
+        print(f"sglang-harden: refusing to run unguarded: {exc}", file=sys.stderr)
         raise SystemExit(78) from None
     sys.argv = ["sglang.launch_server", *sglang_args]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)

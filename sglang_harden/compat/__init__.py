@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 from sglang_harden._importhook import when_imported
 from sglang_harden.compat import control_auth, hooks
-from sglang_harden.compat.pins import SUPPORTED_PINS  # re-exported
+from sglang_harden.compat.pins import SUPPORTED_PINS, patched_tree_marker  # SUPPORTED_PINS re-exported
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.config import GUARDS, Mode, load_config
 
 logger = logging.getLogger("sglang_harden")
 
 _lock = threading.Lock()
+PATCHED_TREE = "patched-tree"  # the family reported where the backport series holds the guards
 _active: Activation | None = None
 
 
@@ -52,8 +53,9 @@ def family_module_for(pin: str | None, allow_unknown: bool) -> str:
     if not allow_unknown:
         raise HardenRefusal(
             f"sglang-harden: SGLang {pin} is not a supported pin (supported: {supported}). "
-            "Refusing to start unguarded. Override at your own risk with SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1 "
-            "(or --harden-allow-unknown-pin 1); every hook is still checked against this pin's code."
+            f"Refusing to start unguarded. {_next_step_for(pin)} Or override at your own risk with "
+            "SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1 (or --harden-allow-unknown-pin 1); every hook is still checked "
+            "against this pin's code."
         )
     fitting, family, missing = probe_family()
     if fitting is None:
@@ -64,6 +66,15 @@ def family_module_for(pin: str | None, allow_unknown: bool) -> str:
         logger.warning("sglang-harden: unknown SGLang pin %s allowed by override; family %s (every hook of it "
                        "resolves on this release's code)", pin, family)
     return family
+
+
+def _next_step_for(pin: str) -> str:
+    from sglang_harden.tools.patch import available_pins, default_patches_dir
+
+    if pin in available_pins(default_patches_dir()):
+        return (f"This release has a backport series: run `sglang-harden patch apply --pin {pin} --tree "
+                "<site-packages>`, then `pip uninstall sglang-harden` (docs/deploy.md).")
+    return "Move to a supported pin, or apply the backport series of one (`sglang-harden patch list`)."
 
 
 def probe_family() -> tuple[str | None, str, list[str]]:
@@ -85,6 +96,14 @@ def activate(source: str) -> Activation:
             return _active
         pin = installed_sglang_version()
         RUNTIME.configure(pin or "none", "", source)
+        marker = patched_tree_marker()
+        if marker is not None:
+            logger.warning("sglang-harden: this SGLang %s carries the backport series (%s), which holds the guards; "
+                           "the plugin stays off. Next step: pip uninstall sglang-harden (docs/deploy.md)",
+                           pin, marker)
+            RUNTIME.family = PATCHED_TREE
+            _active = Activation(pin or "none", PATCHED_TREE, source, ())
+            return _active
         module_name = family_module_for(pin, RUNTIME.config.allow_unknown_pin)
         family = importlib.import_module(f"sglang_harden.compat.{module_name}")
         RUNTIME.family = family.FAMILY
@@ -100,7 +119,7 @@ def reconfigure() -> None:
     """Re-read the configuration after the environment changed (the launcher, armed early by the start-up
     hook, learns its ``--harden-*`` options only afterwards); arms guards that became enabled."""
     with _lock:
-        if _active is None:
+        if _active is None or _active.family == PATCHED_TREE:
             return
         RUNTIME.config = load_config()
         family_hooks = _family_hooks(_active.pin)

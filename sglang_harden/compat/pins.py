@@ -12,3 +12,20 @@ SUPPORTED_PINS: dict[str, str] = {
     "0.5.22": "sglang_v05",
     "0.5.23": "sglang_v05",
 }
+
+# A file every backport series adds (patches/<pin>/*-authenticate-control-plane.patch): its presence marks a tree
+# that carries the series, where the plugin stays off (the series holds the guards; both would hook twice).
+PATCHED_TREE_MARKER = ("srt", "disaggregation", "common", "pd_auth.py")
+
+
+def patched_tree_marker() -> str | None:
+    """The path of the series' marker file in the installed SGLang, or None (found without importing SGLang)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        marker = Path(location).joinpath(*PATCHED_TREE_MARKER)
+        if marker.is_file():
+            return str(marker)
+    return None

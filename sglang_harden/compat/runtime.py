@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_harden import __version__, events
 from sglang_harden.compat import digest_channel, notify
 from sglang_harden.config import HardenConfig, load_config
 
@@ -81,12 +82,20 @@ class Runtime:
                 self.feed = digest_channel.DigestFeed()
             return self.feed
 
+    def mode_summary(self) -> str:
+        """``enforce`` or ``log`` when every armed guard is in that mode, else ``mixed`` (``none``: none armed)."""
+        modes = {self.config.mode(guard).value for guard in self.armed}
+        return modes.pop() if len(modes) == 1 else ("none" if not modes else "mixed")
+
     def log_active(self, role: str) -> None:
+        """The start-up line, and ``sglang_harden_build_info`` on ``/metrics``."""
         logger.warning(
-            "sglang-harden active: pin=%s family=%s role=%s pid=%s via=%s guards=%s capacity=%s",
-            self.pin, self.family, role, os.getpid(), self.source,
-            ",".join(self.armed), self.config.capacity.value,
+            "sglang-harden active: pin=%s family=%s role=%s pid=%s via=%s guards=%s capacity=%s mode=%s version=%s",
+            self.pin, self.family, role, os.getpid(), self.source, ",".join(self.armed), self.config.capacity.value,
+            self.mode_summary(), __version__,
         )
+        events.publish_build_info(version=__version__, pin=self.pin, family=self.family, role=role,
+                                  mode=self.mode_summary())
 
 
 def _prepare_digest_kernel() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_harden import events
+from sglang_harden import __version__, events
 from sglang_harden.compat import notify
 
 # the bootstrap-server routes and the TokenizerManager front hooks live in their own modules; the family adapters
@@ -290,8 +290,10 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
     allocator = scheduler.token_to_kv_pool_allocator
     evictable = scheduler.tree_cache.evictable_size() if scheduler.tree_cache is not None else 0
     return {
+        "version": __version__,
         "pin": RUNTIME.pin,
         "family": RUNTIME.family,
+        "mode": RUNTIME.mode_summary(),
         "role": role_of(scheduler),
         "guards": list(RUNTIME.armed),
         "max_total_num_tokens": int(scheduler.max_total_num_tokens),

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
+
+from sglang_harden._pycompat import StrValueEnum
 
 
-class Verdict(StrEnum):
+class Verdict(StrValueEnum):
     ALLOW = "allow"
     REJECT = "reject"
     ABORT = "abort"

@@ -21,7 +21,7 @@ has no log mode, so a fleet could not move to it without a flag day; rotating a 
 port; and every socket SGLang creates would have to be configured before ``bind``/``connect``, where one missed
 site fails silently. The frame reuses the HTTP token's keyring, rotation and modes, with its own domain
 (``sghz1``) so that an HTTP token's MAC never verifies here. CURVE would add confidentiality, which is worth having
-only once the KV data plane is encrypted too (it is not: see README "Security").
+only once the KV data plane is encrypted too (it is not: see docs/security.md).
 
 Rollout: a frame an older peer does not expect breaks its parser, so a fleet moves ``accept`` (verify a signed
 message, accept an unsigned one, sign nothing) -> ``log`` (sign; unsigned counted and served) -> ``enforce``.

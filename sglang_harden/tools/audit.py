@@ -277,13 +277,13 @@ def findings(nodes: list[Node]) -> list[Finding]:
             out.append(Finding("control_plane_unauthenticated", node.url,
                                f"control plane {node.control_plane_auth}: anyone who reaches the bootstrap port can "
                                "register KV routes and post abort notices (set --harden-bootstrap-secret-file; "
-                               "README 'Security')"))
+                               "docs/security.md)"))
         side = (node.side_channel_auth or "").split(" ")[0]
         if node.role in ("prefill", "decode") and side in ("unauthenticated", "log", "off"):
             out.append(Finding("side_channels_unauthenticated", node.url,
                                f"ZMQ side channels {node.side_channel_auth}: anyone who reaches a KV manager's rank "
                                "port can register destinations, redirect or copy KV transfers and stop the listener "
-                               "threads (set --harden-bootstrap-secret-file, zmq_auth enforce; README 'Security')"))
+                               "threads (set --harden-bootstrap-secret-file, zmq_auth enforce; docs/security.md)"))
         if node.armed_guards or node.guards:
             continue
         if node.metrics != "ok":

@@ -392,13 +392,13 @@ def render_text(data: dict, verbose: bool) -> str:
         lines.append(f"sglang-harden config error: {hd['config_error']}")
     auth = hd.get("control_plane_auth")
     if auth == "unauthenticated":
-        lines.append("PD control plane: UNAUTHENTICATED (no --harden-bootstrap-secret-file; README 'Security')")
+        lines.append("PD control plane: UNAUTHENTICATED (no --harden-bootstrap-secret-file; docs/security.md)")
     elif auth:
         lines.append(f"PD control plane: authenticated ({auth})")
     side = hd.get("side_channel_auth")
     if side == "unauthenticated":
         lines.append("PD ZMQ side channels: UNAUTHENTICATED (anyone reaching a rank port can register where KV goes;"
-                     " README 'Security')")
+                     " docs/security.md)")
     elif side:
         lines.append(f"PD ZMQ side channels: authenticated ({side})")
     kernel = hd.get("digest_kernel")

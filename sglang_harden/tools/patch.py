@@ -240,7 +240,8 @@ def apply_series(tree: Path, pin: str, patches_dir: Path | None = None) -> Repor
                                  f"{_last_lines(output, 8)}", EXIT_REJECT)
             report.patches.append({"patch": patch.name, "summary": patch.summary, "result": "applied"})
         _install(staging, tree, touched)
-    report.message = f"applied {len(patches)} patches of {pin} to {tree}"
+    report.message = (f"applied {len(patches)} patches of {pin} to {tree}. The series holds the guards: where the "
+                      "sglang-harden plugin is installed beside this tree it stays off (pip uninstall sglang-harden)")
     return report
 
 

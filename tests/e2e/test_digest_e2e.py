@@ -13,7 +13,7 @@ the canary in ``log`` mode, so the digest alone has to catch each one (abort bef
 ``checksum:abort`` counted), while the canary's own verdict on the unwritten page is counted as
 ``canary:abort_logged``; clean requests are compared, not skipped (``checksum:allow`` and ``canary:allow``
 counted, no ``checksum:skip``), and answer exactly what vanilla answers. Pins: those whose family carries
-the checksum hooks (0.5.x; 0.4.9.post6 has none, see README), on Mooncake and on NIXL where the pin's recipe
+the checksum hooks (0.5.x; 0.4.9.post6 has none, see docs/guards.md), on Mooncake and on NIXL where the pin's recipe
 lists it.
 
 The faults are sized for 1-token pages: these are cases of the ``minimal`` testbed profile, run with

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+import sglang_harden
 from sglang_harden.compat.backends import BACKEND_MODULES
 from sglang_harden.compat.backends.common import DROPPING_BRANCH
 from sglang_harden.compat.pins import SUPPORTED_PINS
@@ -63,8 +64,8 @@ PINS = plugin_pins()  # the plugin's guards: not on a patch-only release
 SETUP = IncidentSetup(waiting_timeout_s=60)
 TOO_LONG = "exceeds the maximum allowed length"
 PROMPT_BOUND_S = 5.0
-# README: decode is told of a prefill refusal within ~0.2-0.5 s. Measured between the two servers' decision lines
-# (prefill refused the room -> decode aborted it on the notice), not by the client, whose wait includes the host.
+# docs/guards.md: decode is told of a prefill refusal within ~0.2-0.5 s. Measured between the two servers' decision
+# lines (prefill refused the room -> decode aborted it on the notice), not by the client, whose wait includes the host.
 NOTIFY_BOUND_S = 1.0
 # A refusal that comes after prefill's forward and the transfer (short send, retired final send): on a loaded
 # CI host the forward alone took 7.5 s; still far below the 60 s waiting timeout a decode that was not told
@@ -217,9 +218,9 @@ def _require_guard(pin: str, guard: str) -> None:
 
 
 def _require_front_answers(pin: str) -> None:
-    """Skip where the HTTP fronts do not answer refusals themselves: the 0.4.9 adapter's pins (README, Limits)."""
+    """Skip where the HTTP fronts do not answer refusals themselves: the 0.4.9 adapter's pins (docs/guards.md)."""
     if SUPPORTED_PINS[pin] == "sglang_v049":
-        pytest.skip(f"{pin}: the HTTP fronts answer refusals themselves with the 0.5 adapter only (README, Limits)")
+        pytest.skip(f"{pin}: the HTTP fronts answer refusals themselves with the 0.5 adapter only (docs/guards.md)")
 
 
 @pytest.mark.proves(
@@ -548,7 +549,7 @@ def test_control_plane_refuses_callers_without_the_secret(pairs: PairFactory, pi
 
 @pytest.mark.proves("plugin", "bootstrap_auth", control="test_vanilla_control_plane_serves_callers_without_the_secret")
 def test_secret_rotation_without_a_failed_request(pairs: PairFactory, pin: str) -> None:
-    """Rotate the control-plane secret node by node, in place, as README says: add the next secret second
+    """Rotate the control-plane secret node by node, in place, as docs/security.md says: add the next secret second
     everywhere, make it first everywhere, then drop the old one. Requests keep coming, and every one is served.
     Each process re-reads its file within a second, and a node's processes (its scheduler signs, its HTTP
     process checks) re-read at different moments. So a step may start signing with a secret only once every
@@ -610,8 +611,15 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
     assert all(node["armed_guards"] or node["guards"] for node in audit["nodes"]), audit
     assert "guards_missing" not in {f["code"] for f in audit["findings"]}
     with urllib.request.urlopen(pair.prefill.url + "/metrics", timeout=10) as response:
-        counters = parse_guard_counters(response.read().decode())
+        exposition = response.read().decode()
+    counters = parse_guard_counters(exposition)
     assert counters.get("admission", {}).get("reject", 0) >= 1, counters
+    build_info = [line for line in exposition.splitlines() if line.startswith("sglang_harden_build_info{")]
+    wanted = (f'version="{sglang_harden.__version__}"', f'pin="{pin}"', 'role="scheduler/prefill"', 'mode="enforce"')
+    assert any(all(label in line for label in wanted) and line.endswith(" 1.0") for line in build_info), build_info
+    status, info = http_json("GET", pair.prefill.url + "/server_info", timeout=10)
+    assert status == 200 and {state["sglang_harden"]["version"] for state in info["internal_states"]} == {
+        sglang_harden.__version__}, info
 
 
 def test_vanilla_serves_a_short_send(pairs: PairFactory, pin: str) -> None:

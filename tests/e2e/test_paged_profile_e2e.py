@@ -86,7 +86,7 @@ NEXT_REQUEST_BOUND_S = 15.0
 UNARMED_TIMEOUT_NOTICE_PINS = ("0.5.19", "0.5.20")
 FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"unwritten:{UNWRITTEN_PAGES},table:{TABLE_ROOM},flip:{FLIP_ROOM}"}
 TOO_LONG = "exceeds the maximum allowed length"
-FRONT_DOOR_BOUND_S = 5.0  # README: decode answers a refusal at prefill's front door within 5 s
+FRONT_DOOR_BOUND_S = 5.0  # docs/guards.md: decode answers a refusal at prefill's front door within 5 s
 RECIPES = load_pins()
 CASES = [f"{pin}/{backend}" for pin in ("0.5.19", "0.5.23") if pin in RECIPES
          for backend in ("mooncake", "nixl") if backend in RECIPES[pin].transfer_backends]

@@ -70,7 +70,7 @@ def test_a_mutated_production_rule_is_caught(name: str, monkeypatch: pytest.Monk
 def test_a_write_outliving_its_lifetime_is_the_residual_risk() -> None:
     """With the expiry event, the explorer shows the trace the setting trades against: the transport gave up on a
     write, its lifetime passed, prefill settled the room and acked, decode freed the pages to the next request,
-    and the write landed there. README "Residual risk" cites this test."""
+    and the write landed there. docs/guards.md "Residual risk" cites this test."""
     config = build_config(specs=SHARED, pages=3, write_lifetime=True)
     result = check(config, stop_when=("late_write_read",))
     counterexample = result.counterexamples.get("late_write_read")

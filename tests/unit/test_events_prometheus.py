@@ -39,3 +39,12 @@ def test_recorded_and_tallied_allows_share_one_counter() -> None:
     events.record(allow("prom_mix"), Mode.ENFORCE)
     events.snapshot()
     assert _sample("prom_mix", "allow") == 2
+
+
+def test_build_info_names_the_version_pin_and_mode() -> None:
+    labels = {"version": "9.9.9", "pin": "0.5.23", "family": "sglang-0.5.19+", "role": "scheduler/decode",
+              "mode": "log"}
+    events.publish_build_info(**labels)
+    events.publish_build_info(**{**labels, "role": "scheduler/prefill"})
+    for role in ("scheduler/decode", "scheduler/prefill"):
+        assert prometheus_client.REGISTRY.get_sample_value(events.BUILD_INFO_NAME, {**labels, "role": role}) == 1
