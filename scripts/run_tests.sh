@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Set up the CI pins' environments (reused between runs) and run the whole test suite.
 #   scripts/run_tests.sh [pytest args...]     e.g. scripts/run_tests.sh -m "not e2e"
-# The suite runs under Python 3.10 (scripts/py310_env.sh: pytest, hypothesis, pytest-xdist); e2e tests start servers
-# with the pin venvs' pythons. SGLANG_HARDEN_TEST_WORKERS (default 2) sets the pytest-xdist workers.
+# The suite runs under the system python3 (pytest + hypothesis + pytest-xdist); e2e tests start servers with the
+# pin venvs' pythons. SGLANG_HARDEN_TEST_WORKERS (default 2) sets the pytest-xdist workers.
 # SGLANG_HARDEN_PINS (or pytest's --pins) chooses the pins; default: ci/pins.toml [ci].pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pytest-xdist 3.8+: --no-loadscope-reorder (the suite orders its e2e groups longest first, tests/conftest.py)
+python3 -c 'import pytest, hypothesis, xdist, sys; sys.exit(tuple(map(int, xdist.__version__.split(".")[:2])) < (3, 8))' \
+  2>/dev/null || python3 -m pip install -q 'pytest>=8' 'hypothesis>=6' 'pytest-xdist>=3.8'
 pins="${SGLANG_HARDEN_PINS:---ci}"
 pins="${pins//,/ }"
 [[ "$pins" == "all" ]] && pins="--all"
@@ -13,7 +16,8 @@ pins="${pins//,/ }"
 bash scripts/setup_envs.sh $pins
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The KV digest/canary tests need torch, the in-process lifecycle tests need SGLang itself: run them with
-# each CI pin's venv python (CPU torch, testbed shims), then the rest of the suite under Python 3.10.
+# each CI pin's venv python (CPU torch, testbed shims), then the whole suite with the system python (where
+# they skip, saying so).
 # The pins and the torch tests run side by side (each pin mostly one busy thread: SGLang's bootstrap server and
 # the fuzzing client).
 phase() { echo "[run_tests] $(date -u +%H:%M:%S) $*"; }
@@ -27,9 +31,6 @@ torch_tests=(tests/unit/test_digest*.py tests/unit/test_checksum.py tests/unit/t
   tests/unit/test_cudasim.py tests/unit/test_canary.py tests/unit/test_patched_canary.py
   tests/unit/test_patched_lifecycle.py tests/unit/test_patched_lifecycle_04x.py tests/unit/test_patched_drain_acks.py
   tests/unit/test_patched_digest.py tests/integration/test_digest_agreement.py tests/unit/test_kvtrace_owners.py)
-# the files above run under a venv with their dependencies: elsewhere they would only skip on imports
-ignore=()
-for test in "${in_process_tests[@]}" "${patched_auth_tests[@]}" "${torch_tests[@]}"; do ignore+=("--ignore=$test"); done
 phase "in-process tests (each CI pin's venv) and torch tests, side by side"
 logs="$(mktemp -d)"
 pids=()
@@ -58,8 +59,8 @@ rm -rf "$logs"
 # --no-loadscope-reorder: keep the order tests/conftest.py gives (longest e2e groups first; xdist's own order, most
 # tests first, started the long late-write and soak groups last).
 workers="${SGLANG_HARDEN_TEST_WORKERS:-2}"
-# The whole suite runs under Python 3.10, the oldest the plugin and the tools support (SGLang <= 0.5.19 images run
-# it): the unit tests and the e2e drivers on 3.10, the servers, in-process and torch tests on the pins' Python.
-suite_python="$(bash scripts/py310_env.sh)"
-phase "whole suite, $workers workers, $("$suite_python" -V)"
-exec "$suite_python" -m pytest -ra --durations=60 -n "$workers" --dist loadgroup --no-loadscope-reorder "${ignore[@]}" "$@"
+phase "whole suite, $workers workers"
+# the files above already ran under a venv with their dependencies: here they would only skip on imports
+ignore=()
+for test in "${in_process_tests[@]}" "${patched_auth_tests[@]}" "${torch_tests[@]}"; do ignore+=("--ignore=$test"); done
+exec python3 -m pytest -ra --durations=60 -n "$workers" --dist loadgroup --no-loadscope-reorder "${ignore[@]}" "$@"
