@@ -138,11 +138,11 @@ def setting_names() -> frozenset[str]:
 def check_setting_names(environ: dict[str, str] | os._Environ[str]) -> None:
     """Raise ConfigError naming each unknown ``SGLANG_HARDEN_*`` variable and the nearest known name."""
     known = setting_names()
+    suffixes = [known_name.removeprefix(ENV_PREFIX) for known_name in known]
     problems = []
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in known or name.startswith(TESTBED_PREFIX):
             continue
-        suffixes = [known_name.removeprefix(ENV_PREFIX) for known_name in known]
         nearest = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), suffixes, n=1, cutoff=0.6)
         problems.append(name + (f" (did you mean {ENV_PREFIX}{nearest[0]}?)" if nearest else ""))
     if problems:
@@ -154,9 +154,10 @@ def rollout_mode(environ: dict[str, str] | os._Environ[str]) -> Mode | None:
     raw = environ.get(MODE_ENV)
     if raw is None:
         return None
-    if raw.strip().lower() not in ROLLOUT_MODES:
+    value = raw.strip().lower()
+    if value not in ROLLOUT_MODES:
         raise ConfigError(f"{MODE_ENV}={raw!r}: must be one of {', '.join(ROLLOUT_MODES)}")
-    return Mode(raw.strip().lower())
+    return Mode(value)
 
 
 def load_config(environ: dict[str, str] | None = None) -> HardenConfig:

@@ -33,8 +33,6 @@ LOG_TAG = "sglang_harden.decision"
 
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
-_prom_counter: object | None = None
-_prom_failed = False
 _prom_children: dict[tuple[str, str], object] = {}
 _tallies: list[Tally] = []
 FLUSH_INTERVAL_S = 1.0
@@ -42,19 +40,28 @@ _flusher: threading.Thread | None = None
 _allow_lines = False  # DEBUG on for the guard logger: tallies record each decision (its log line) instead
 
 
-def _prometheus_counter() -> object | None:
-    global _prom_counter, _prom_failed
-    if _prom_counter is not None or _prom_failed:
-        return _prom_counter
-    try:
-        from prometheus_client import Counter as PromCounter
+class _LazyMetric:
+    """A prometheus_client metric made on first use in the process that uses it; ``None`` for good where
+    prometheus_client is missing or refuses (metrics are evidence, never a reason to fail a request or a start)."""
 
-        _prom_counter = PromCounter(
-            METRIC_NAME, "sglang-harden guard decisions", labelnames=("guard", "decision")
-        )
-    except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a request
-        _prom_failed = True
-    return _prom_counter
+    def __init__(self, kind: str, name: str, doc: str, **options: Any) -> None:
+        self._kind, self._name, self._doc, self._options = kind, name, doc, options
+        self._metric: Any = None
+        self._failed = False
+
+    def get(self) -> Any:
+        if self._metric is None and not self._failed:
+            try:
+                import prometheus_client
+
+                self._metric = getattr(prometheus_client, self._kind)(self._name, self._doc, **self._options)
+            except Exception:  # noqa: BLE001 - see the class docstring
+                self._failed = True
+        return self._metric
+
+
+_decisions_counter = _LazyMetric("Counter", METRIC_NAME, "sglang-harden guard decisions",
+                                 labelnames=("guard", "decision"))
 
 
 def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: object) -> bool:
@@ -155,7 +162,7 @@ def _counter_child(guard: str, label: str) -> object | None:
     """The labelled counter sample, looked up once per (guard, decision) rather than once per decision."""
     child = _prom_children.get((guard, label))
     if child is None:
-        counter = _prometheus_counter()
+        counter = _decisions_counter.get()
         if counter is None:
             return None
         child = counter.labels(guard=guard, decision=label)  # type: ignore[attr-defined]
@@ -195,42 +202,28 @@ def reset_for_tests() -> None:
 # ---------------------------------------------------------------- the lifecycle guard's quarantine gauge
 
 GAUGE_NAME = "sglang_harden_quarantined_pages"
-_gauge: Any = None
-_gauge_failed = False
+_quarantine_gauge = _LazyMetric("Gauge", GAUGE_NAME, "KV pages held back until their writer drains",
+                                multiprocess_mode="livesum")
 
 
 def set_quarantined_pages(value: int) -> None:
     """The pages this process holds back until their writer drains, on ``/metrics`` (where prometheus_client is)."""
-    global _gauge, _gauge_failed
-    if _gauge is None and not _gauge_failed:
-        try:
-            from prometheus_client import Gauge
-
-            _gauge = Gauge(GAUGE_NAME, "KV pages held back until their writer drains", multiprocess_mode="livesum")
-        except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a request
-            _gauge_failed = True
-    if _gauge is not None:
-        _gauge.set(value)
+    gauge = _quarantine_gauge.get()
+    if gauge is not None:
+        gauge.set(value)
 
 
 # ---------------------------------------------------------------- what runs where
 
 BUILD_INFO_NAME = "sglang_harden_build_info"
 BUILD_INFO_LABELS = ("version", "pin", "family", "role", "mode")
-_build_info: Any = None
-_build_info_failed = False
+_build_info = _LazyMetric("Gauge", BUILD_INFO_NAME,
+                          "sglang-harden version, SGLang pin and rollout mode of this process",
+                          labelnames=BUILD_INFO_LABELS, multiprocess_mode="max")
 
 
 def publish_build_info(**labels: str) -> None:
     """``sglang_harden_build_info{version,pin,family,role,mode} 1`` on ``/metrics`` (where prometheus_client is)."""
-    global _build_info, _build_info_failed
-    if _build_info is None and not _build_info_failed:
-        try:
-            from prometheus_client import Gauge
-
-            _build_info = Gauge(BUILD_INFO_NAME, "sglang-harden version, SGLang pin and rollout mode of this process",
-                                labelnames=BUILD_INFO_LABELS, multiprocess_mode="max")
-        except Exception:  # noqa: BLE001 - metrics are evidence, never a reason to fail a start
-            _build_info_failed = True
-    if _build_info is not None:
-        _build_info.labels(**{name: labels[name] for name in BUILD_INFO_LABELS}).set(1)
+    gauge = _build_info.get()
+    if gauge is not None:
+        gauge.labels(**{name: labels[name] for name in BUILD_INFO_LABELS}).set(1)

@@ -94,27 +94,29 @@ def _item_pin(item: pytest.Item) -> str | None:
     return pin if isinstance(pin, str) else None
 
 
-# Worker-minutes one (module, pin) group of each e2e module took in CI (stop 27: two workers, two cores). Groups
-# are handed out longest first, so that no long group starts last while the other worker runs out of work;
-# xdist's own order (most tests first) started the late-write and soak groups last. Other tests come after the
-# e2e groups, in their own order (short ones fill the end).
+# Worker-minutes one (module, pin) group of each e2e module took (2026-12-07, the larger CI pin's; two workers, two
+# cores, tests/conftest.py's order). Groups are handed out longest first, so that no long group starts last while
+# the other worker runs out of work; xdist's own order (most tests first) started the late-write and soak groups
+# last. Other tests come after the e2e groups, in their own order (short ones fill the end).
 E2E_GROUP_MINUTES = {
-    "test_guards_e2e": 6.8,
-    "test_paged_profile_e2e": 6.0,
-    "test_tools_e2e": 2.0,
-    "test_guards_v049": 5.0,
+    "test_patched_incident": 8.7,
+    "test_guards_e2e": 7.0,
+    "test_digest_tp2_e2e": 5.6,
+    "test_paged_profile_e2e": 4.4,
+    "test_soak_e2e": 4.2,
+    "test_side_channels_e2e": 4.2,
+    "test_lifecycle_e2e": 4.0,
+    "test_capacity_e2e": 4.0,
+    "test_mixed_pair_e2e": 2.7,
+    "test_fail_closed_e2e": 2.3,
+    "test_pool_limit_e2e": 2.2,
+    "test_importhook_coexist_e2e": 2.0,
+    "test_patched_lifecycle_e2e": 1.9,
+    "test_gpu_semantics_e2e": 1.8,
+    "test_tools_e2e": 0.9,
     "test_digest_e2e": 5.0,
-    "test_soak_e2e": 4.9,
-    "test_patched_incident": 5.0,
-    "test_digest_tp2_e2e": 4.4,
-    "test_lifecycle_e2e": 4.3,
     "test_incident": 3.0,
-    "test_capacity_e2e": 2.8,
-    "test_mixed_pair_e2e": 3.0,
-    "test_fail_closed_e2e": 2.0,
-    "test_importhook_coexist_e2e": 1.5,
-    "test_side_channels_e2e": 4.5,
-    "test_pool_limit_e2e": 1.0,
+    "test_guards_v049": 5.0,
 }
 UNLISTED_E2E_GROUP_MINUTES = 3.0
 

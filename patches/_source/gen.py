@@ -64,6 +64,10 @@ def main(pin: str, src_root: Path | None = None, out_root: Path = OUT) -> None:
     holds ``sglang/``; default ``$SGLANG_SRC/<pin>``). Only the files the spec edits are read."""
     spec = importlib.import_module("spec_" + pin.replace(".", "_"))
     src_root = src_root or SRC / pin
+    if not (src_root / "sglang").is_dir():
+        # before anything is written: patches/<pin>/ is replaced only by a series made from a real tree
+        raise SystemExit(f"no pristine SGLang {pin} tree at {src_root} (expected {src_root / 'sglang'}/); "
+                         f"set SGLANG_SRC to the folder that holds <pin>/sglang")
     work = Path(tempfile.mkdtemp(prefix=f"sglang-harden-gen-{pin}-"))
     cur = work / "cur"
     for rel in sorted({rel for _, _, edits in spec.PATCHES for rel, _, _ in edits}):

@@ -89,13 +89,13 @@ class Runtime:
 
     def log_active(self, role: str) -> None:
         """The start-up line, and ``sglang_harden_build_info`` on ``/metrics``."""
+        mode = self.mode_summary()
         logger.warning(
             "sglang-harden active: pin=%s family=%s role=%s pid=%s via=%s guards=%s capacity=%s mode=%s version=%s",
             self.pin, self.family, role, os.getpid(), self.source, ",".join(self.armed), self.config.capacity.value,
-            self.mode_summary(), __version__,
+            mode, __version__,
         )
-        events.publish_build_info(version=__version__, pin=self.pin, family=self.family, role=role,
-                                  mode=self.mode_summary())
+        events.publish_build_info(version=__version__, pin=self.pin, family=self.family, role=role, mode=mode)
 
 
 def _prepare_digest_kernel() -> None:

@@ -707,18 +707,36 @@ def test_patched_capacity_gate_modes(pin: str, tmp_path: Path, monkeypatch: pyte
         assert (manager.context_len, manager.model_config.context_len) == (context, context), mode
 
 
-@pytest.mark.parametrize("pin", PINS)
-def test_committed_series_is_what_the_sources_generate(pin: str, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``patches/<pin>`` is generated from ``patches/_source`` (the specs, the shared blocks, and the plugin's own
-    ``signing_client.py``, which the authentication patch embeds). A hand edit of a .patch file, or a change to
-    any source without regenerating, fails here: the plugin and the patches cannot drift apart."""
+def _load_generator(monkeypatch: pytest.MonkeyPatch) -> Any:
     source_dir = PATCHES / "_source"
     monkeypatch.syspath_prepend(str(source_dir))
     spec = importlib.util.spec_from_file_location("patch_gen_under_test", source_dir / "gen.py")
     assert spec and spec.loader
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
+    return gen
+
+
+def test_generator_without_a_source_tree_refuses_and_keeps_the_series(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run without ``$SGLANG_SRC``, the generator deleted ``patches/<pin>/`` first and then failed on the
+    missing tree; now it refuses before writing anything."""
+    gen = _load_generator(monkeypatch)
+    kept = tmp_path / "out" / "0.5.19" / "series"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("the committed series\n")
+    with pytest.raises(SystemExit, match="no pristine SGLang 0.5.19 tree"):
+        gen.main("0.5.19", tmp_path / "no-such-tree", tmp_path / "out")
+    assert kept.read_text() == "the committed series\n"
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_committed_series_is_what_the_sources_generate(pin: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``patches/<pin>`` is generated from ``patches/_source`` (the specs, the shared blocks, and the plugin's own
+    ``signing_client.py``, which the authentication patch embeds). A hand edit of a .patch file, or a change to
+    any source without regenerating, fails here: the plugin and the patches cannot drift apart."""
+    gen = _load_generator(monkeypatch)
     gen.main(pin, _pristine(pin), tmp_path)
     generated = {p.name: p.read_text() for p in (tmp_path / pin).iterdir()}
     committed = {p.name: p.read_text() for p in (PATCHES / pin).iterdir()}
