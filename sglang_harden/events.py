@@ -165,7 +165,7 @@ def _counter_child(guard: str, label: str) -> object | None:
         counter = _decisions_counter.get()
         if counter is None:
             return None
-        child = counter.labels(guard=guard, decision=label)  # type: ignore[attr-defined]
+        child = counter.labels(guard=guard, decision=label)
         _prom_children[(guard, label)] = child
     return child
 
