@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Build (or reuse) the Python 3.10 environment the unit suite also runs under (SGLang <= 0.5.19 images run 3.10);
-# prints its python. ${SGLANG_HARDEN_HOME:-$HOME/.cache/sglang-harden}/venvs/py310-tools.
+# Build (or reuse) the Python 3.10 environment that scripts/run_tests.sh runs the tests without servers under
+# (SGLang <= 0.5.19 images run 3.10); prints its python. ${SGLANG_HARDEN_HOME:-$HOME/.cache/sglang-harden}/venvs/py310-tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 home="${SGLANG_HARDEN_HOME:-$HOME/.cache/sglang-harden}"
 venv="$home/venvs/py310-tools"
 # pytest-xdist 3.8+: --no-loadscope-reorder (the suite orders its e2e groups longest first, tests/conftest.py)
-packages=('pytest>=8' 'hypothesis>=6' 'pytest-xdist>=3.8' numpy cryptography requests 'tomli>=1.1')
+packages=('pytest>=8' 'hypothesis>=6' 'pytest-xdist>=3.8' numpy cryptography requests 'tomli>=1.1' pyyaml)
 stamp="$venv/.sglang-harden-py310-recipe"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "${packages[*]}" ]; then
   echo "$venv/bin/python"; exit 0

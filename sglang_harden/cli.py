@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "testbed": ("sglang_harden.testbed.cli", "build pin environments and start/stop real PD pairs"),
     "soak": ("sglang_harden.tools.soak", "mixed, hostile traffic on a real PD topology, judged by independent oracles"),
     "patch": ("sglang_harden.tools.patch", "apply or verify the backport patch series on an SGLang tree"),
+    "build-kernels": ("sglang_harden.tools.kernels", "compile the native digest and ledger libraries now (an image's "
+                      "build step)"),
     "compat": ("sglang_harden.tools.compat_sweep", "judge SGLang releases against the plugin's hooks (reads their code"
                ", installs nothing)"),
 }

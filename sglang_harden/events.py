@@ -1,6 +1,8 @@
 """Evidence for every guard decision: one Prometheus counter sample and one structured log line.
 
-``sglang_harden_guard_decisions_total{guard,decision}`` is created lazily in the process that decides. When
+``sglang_harden_guard_decisions_total{guard,decision,mode}`` is created lazily in the process that decides
+(``decision`` ends in ``_logged`` for a decision taken in log mode, as in the log line; ``mode`` is ``enforce`` or
+``log``). When
 SGLang runs with ``--enable-metrics`` it sets ``PROMETHEUS_MULTIPROC_DIR`` before spawning its scheduler, so a
 counter created there shows up on the server's ``/metrics``. Without prometheus_client the counts are kept in
 memory only (``snapshot()``), which the tests and ``doctor`` read.
@@ -33,7 +35,7 @@ LOG_TAG = "sglang_harden.decision"
 
 _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
-_prom_children: dict[tuple[str, str], object] = {}
+_prom_children: dict[tuple[str, str, str], object] = {}
 _tallies: list[Tally] = []
 FLUSH_INTERVAL_S = 1.0
 _flusher: threading.Thread | None = None
@@ -61,7 +63,7 @@ class _LazyMetric:
 
 
 _decisions_counter = _LazyMetric("Counter", METRIC_NAME, "sglang-harden guard decisions",
-                                 labelnames=("guard", "decision"))
+                                 labelnames=("guard", "decision", "mode"))
 
 
 def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: object) -> bool:
@@ -75,7 +77,7 @@ def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: ob
     label = decision.verdict.value if applied or decision.allows else f"{decision.verdict.value}_logged"
     with _lock:
         _counts[(decision.guard, label)] += 1
-    child = _counter_child(decision.guard, label)
+    child = _counter_child(decision.guard, label, mode.value)
     if child is not None:
         child.inc()  # type: ignore[attr-defined]
     level = logging.DEBUG if decision.allows else logging.WARNING
@@ -85,18 +87,19 @@ def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: ob
 
 
 class Tally:
-    """The count of one constant ALLOW decision, bumped on a hot path. ``n`` is written only by the thread that
-    bumps (the scheduler's), ``folded`` only under ``_lock``: no increment is lost or counted twice."""
+    """The count of one constant ALLOW decision, bumped on a hot path, per mode. ``n`` (enforce) and ``n_logged``
+    are written only by the thread that bumps (the scheduler's), ``folded``/``folded_logged`` only under ``_lock``:
+    no increment is lost or counted twice."""
 
-    __slots__ = ("decision", "folded", "label", "n")
+    __slots__ = ("decision", "folded", "folded_logged", "label", "n", "n_logged")
 
     def __init__(self, decision: Decision) -> None:
         if not decision.allows:
             raise ValueError(f"only an allowing decision is tallied, not {decision.verdict.value}")
         self.decision = decision
         self.label = decision.verdict.value
-        self.n = 0
-        self.folded = 0
+        self.n = self.n_logged = 0
+        self.folded = self.folded_logged = 0
         with _lock:
             _tallies.append(self)
 
@@ -108,21 +111,25 @@ class Tally:
             _start_flusher()
         if _allow_lines:
             record(self.decision, mode, **context)
-        else:
+        elif mode is Mode.ENFORCE:
             self.n += 1
+        else:
+            self.n_logged += 1
 
 
 def _fold_tallies() -> None:
     """Move the tallies' new counts into the counts and the Prometheus counter."""
     with _lock:
         for tally in _tallies:
-            delta = tally.n - tally.folded
-            if delta:
-                tally.folded += delta
-                _counts[(tally.decision.guard, tally.label)] += delta
-                child = _counter_child(tally.decision.guard, tally.label)
-                if child is not None:
-                    child.inc(delta)  # type: ignore[attr-defined]
+            enforced, logged = tally.n - tally.folded, tally.n_logged - tally.folded_logged
+            tally.folded += enforced
+            tally.folded_logged += logged
+            for delta, mode in ((enforced, Mode.ENFORCE), (logged, Mode.LOG)):
+                if delta:
+                    _counts[(tally.decision.guard, tally.label)] += delta
+                    child = _counter_child(tally.decision.guard, tally.label, mode.value)
+                    if child is not None:
+                        child.inc(delta)  # type: ignore[attr-defined]
 
 
 def refresh_log_level() -> None:
@@ -158,15 +165,15 @@ def _forget_flusher_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_flusher_in_child)
 
 
-def _counter_child(guard: str, label: str) -> object | None:
-    """The labelled counter sample, looked up once per (guard, decision) rather than once per decision."""
-    child = _prom_children.get((guard, label))
+def _counter_child(guard: str, label: str, mode: str) -> object | None:
+    """The labelled counter sample, looked up once per (guard, decision, mode) rather than once per decision."""
+    child = _prom_children.get((guard, label, mode))
     if child is None:
         counter = _decisions_counter.get()
         if counter is None:
             return None
-        child = counter.labels(guard=guard, decision=label)
-        _prom_children[(guard, label)] = child
+        child = counter.labels(guard=guard, decision=label, mode=mode)
+        _prom_children[(guard, label, mode)] = child
     return child
 
 
@@ -196,21 +203,27 @@ def reset_for_tests() -> None:
     with _lock:
         _counts.clear()
         for tally in _tallies:
-            tally.folded = tally.n
+            tally.folded, tally.folded_logged = tally.n, tally.n_logged
 
 
 # ---------------------------------------------------------------- the lifecycle guard's quarantine gauge
 
 GAUGE_NAME = "sglang_harden_quarantined_pages"
+CAP_GAUGE_NAME = "sglang_harden_quarantine_cap_pages"
 _quarantine_gauge = _LazyMetric("Gauge", GAUGE_NAME, "KV pages held back until their writer drains",
                                 multiprocess_mode="livesum")
+_quarantine_cap_gauge = _LazyMetric("Gauge", CAP_GAUGE_NAME,
+                                    "quarantined KV pages at which decode stops admitting new transfers",
+                                    multiprocess_mode="livesum")
 
 
-def set_quarantined_pages(value: int) -> None:
-    """The pages this process holds back until their writer drains, on ``/metrics`` (where prometheus_client is)."""
-    gauge = _quarantine_gauge.get()
-    if gauge is not None:
-        gauge.set(value)
+def set_quarantined_pages(value: int, cap: int) -> None:
+    """The pages this process holds back until their writer drains, and the count at which its door closes, on
+    ``/metrics`` (where prometheus_client is)."""
+    for metric, sample in ((_quarantine_gauge, value), (_quarantine_cap_gauge, cap)):
+        gauge = metric.get()
+        if gauge is not None:
+            gauge.set(sample)
 
 
 # ---------------------------------------------------------------- what runs where

@@ -107,7 +107,9 @@ class DecodeNode:
     def for_allocator(cls, allocator: Any, cap: int) -> DecodeNode:
         page_size = int(getattr(allocator, "page_size", 1) or 1)
         num_pages = int(allocator.size) // page_size + 2
-        return cls(allocator, page_size, cap, PageLedger(num_pages))
+        node = cls(allocator, page_size, cap, PageLedger(num_pages))
+        events.set_quarantined_pages(0, node.quarantine_cap)
+        return node
 
     @property
     def states(self) -> np.ndarray:
@@ -282,7 +284,7 @@ class DecodeNode:
                             {"owner": owner, "pages": len(pages), "quarantined_total": self.ledger.quarantined_count(),
                              "addr": transfer.addr if transfer else None})
         events.record(decision, mode)
-        events.set_quarantined_pages(self.ledger.quarantined_count())
+        events.set_quarantined_pages(self.ledger.quarantined_count(), self.quarantine_cap)
 
     def _ask_for_drain_ack(self, owner: str) -> None:
         """Prefill acknowledges a drained room only after an ABORT from us: make sure one went out."""
@@ -373,7 +375,7 @@ class DecodeNode:
                 events.record(decision, Mode.ENFORCE)
                 self._forget(owner)
         if given_back or loose:
-            events.set_quarantined_pages(self.ledger.quarantined_count())
+            events.set_quarantined_pages(self.ledger.quarantined_count(), self.quarantine_cap)
         return given_back, loose
 
     def held_tokens(self) -> int:

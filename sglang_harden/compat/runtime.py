@@ -103,7 +103,7 @@ def _prepare_digest_kernel() -> None:
     from sglang_harden.kernels.digest_native import native_status
 
     built, detail = native_status()
-    logger.info("sglang-harden checksum digest on CPU tensors: %s (%s)", "native" if built else "torch", detail)
+    _log_kernel("checksum digest on CPU tensors", "native" if built else "torch", built, detail)
 
 
 def _prepare_ledger_kernel() -> None:
@@ -112,7 +112,15 @@ def _prepare_ledger_kernel() -> None:
     from sglang_harden.kernels.ledger_native import native_status
 
     built, detail = native_status()
-    logger.info("sglang-harden page ledger: %s (%s)", "native" if built else "numpy", detail)
+    _log_kernel("page ledger", "native" if built else "numpy", built, detail)
+
+
+def _log_kernel(what: str, path: str, built: bool, detail: str) -> None:
+    """A library that is not switched off and could not be built is a warning (``sglang-harden build-kernels`` at
+    image build time avoids it)."""
+    level = logging.INFO if built or detail.startswith("disabled by") else logging.WARNING
+    hint = "" if level == logging.INFO else "; run `sglang-harden build-kernels` when building the image"
+    logger.log(level, "sglang-harden %s: %s (%s%s)", what, path, detail, hint)
 
 
 RUNTIME = Runtime()

@@ -1,9 +1,11 @@
 """Build and cache the small C libraries next to this package (the native digest, the native ledger).
 
-A library is compiled on first use with the system C compiler into ``$SGLANG_HARDEN_HOME/kernels`` (default
-``~/.cache/sglang-harden/kernels``), keyed by its source, the compiler and the flags, and loaded with ctypes.
-Each library has an environment switch (``0`` disables it); callers keep a pure-Python/numpy/torch path for when
-a library is disabled or cannot be built.
+A library is compiled with the system C compiler into ``$SGLANG_HARDEN_HOME/kernels`` (default
+``~/.cache/sglang-harden/kernels``), keyed by its source and the flags (which name the CPU features and, for an
+extension module, the Python headers), and loaded with ctypes. It is built by ``sglang-harden build-kernels`` (an
+image's build step) or else on first use; a library already in the folder is loaded without a compiler. Each
+library has an environment switch (``0`` disables it); callers keep a pure-Python/numpy/torch path for when a
+library is disabled or cannot be built.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def disabled(env: str) -> bool:
     return os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def library_path(source: Path, prefix: str, compiler: str, flags: Sequence[str]) -> Path:
-    key = hashlib.sha256(source.read_bytes() + compiler.encode() + " ".join(flags).encode()).hexdigest()[:16]
+def library_path(source: Path, prefix: str, flags: Sequence[str]) -> Path:
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     return cache_dir() / f"{prefix}-{key}.so"
 
 
@@ -79,19 +81,21 @@ def load_library(
     ``loader`` (a ctypes library by default; :func:`import_extension` for a CPython extension module)."""
     if disabled(env):
         return None, f"disabled by {env}"
-    compiler = find_compiler()
-    if compiler is None:
-        return None, "no C compiler (cc, gcc, clang or $CC) on PATH"
-    target = library_path(source, prefix, compiler, flags)
+    target = library_path(source, prefix, flags)
+    how = f"loaded the library built before at {target}"
     try:
         if not target.exists():
+            compiler = find_compiler()
+            if compiler is None:
+                return None, f"no C compiler (cc, gcc, clang or $CC) on PATH and no library at {target}"
             build(source, compiler, flags, target)
+            how = f"built with {compiler} {' '.join(flags)} at {target}"
         lib = loader(str(target))
     except subprocess.CalledProcessError as exc:
         return None, f"build failed: {exc.stderr.strip()[-300:]}"
     except (OSError, ImportError, subprocess.TimeoutExpired) as exc:
         return None, f"build or load failed: {exc}"
-    return lib, f"built with {compiler} {' '.join(flags)} at {target}"
+    return lib, how
 
 
 def import_extension(module_name: str, path: str) -> Any:

@@ -10,6 +10,7 @@ on a failed start, on garbage collection and at interpreter exit (see ``procs``)
 from __future__ import annotations
 
 import re
+import subprocess
 import tempfile
 import time
 import weakref
@@ -138,10 +139,15 @@ class _Process:
         own_port = re.compile(r"\b(" + "|".join(map(str, ports)) + r")\b")
         return any(BIND_FAILURE in line.lower() and own_port.search(line) for line in log.splitlines())
 
-    def reset(self) -> None:
-        """Forget a stopped process so that the server can be started again on fresh ports."""
-        if self.is_alive():
-            raise ServerError(f"{self.name} is still running")
+    def reset(self, exit_wait_s: float = 10.0) -> None:
+        """Forget a stopped process so that the server can be started again on fresh ports. Its group was found gone
+        when it stopped, but the leader itself may still be exiting (its last threads): wait for it up to
+        ``exit_wait_s`` rather than take it for a running server."""
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=exit_wait_s)
+            except subprocess.TimeoutExpired:
+                raise ServerError(f"{self.name} is still running") from None
         self.proc, self._finalizer = None, None
         self.pick_ports()
 

@@ -7,13 +7,17 @@ meant for a person: connection refused, timed out, body too large, malformed HTT
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
+import re
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -23,6 +27,83 @@ _CHUNK = 64 << 10
 
 class HttpError(Exception):
     """A request that did not produce a usable response; ``str()`` is the user-facing reason."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What every request of this process sends besides its own headers, and how it checks TLS (``None``: Python's
+    default verification against the system's CAs)."""
+
+    headers: tuple[tuple[str, str], ...] = ()
+    ssl_context: ssl.SSLContext | None = None
+
+
+_settings = ClientSettings()
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+
+
+def configure(settings: ClientSettings) -> None:
+    global _settings
+    _settings = settings
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options a fleet's nodes may need: SGLang's ``--api-key``, other headers (a gateway's), TLS."""
+    parser.add_argument("--api-key-file", type=_api_key_header, metavar="FILE", dest="api_key_header",
+                        help="send 'Authorization: Bearer <key>' with the key in FILE (a server started with "
+                             "--api-key answers 401 without it)")
+    parser.add_argument("--header", type=_header, action="append", default=[], metavar="'NAME: VALUE'",
+                        help="send this header with every request (repeatable)")
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument("--cacert", type=_existing_file, metavar="FILE",
+                     help="verify https:// servers against the CA certificates in FILE (default: the system's)")
+    tls.add_argument("--insecure", action="store_true", help="do not verify https:// servers' certificates")
+
+
+def settings_from_args(args: argparse.Namespace) -> ClientSettings:
+    """The client settings the options ask for; ValueError (a message for a person) when they cannot be met."""
+    headers = [*([args.api_key_header] if args.api_key_header else []), *args.header]
+    names = [name.lower() for name, _ in headers]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"header given twice: {', '.join(repeated)} (--api-key-file sends Authorization)")
+    context = None
+    if args.cacert is not None:
+        try:
+            context = ssl.create_default_context(cafile=str(args.cacert))
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(f"--cacert {args.cacert}: not usable CA certificates ({exc})") from None
+    elif args.insecure:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return ClientSettings(tuple(headers), context)
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    name, value = name.strip(), value.strip()
+    if not sep or not _HEADER_NAME.match(name):
+        raise argparse.ArgumentTypeError(f"expected 'NAME: VALUE', got {text!r}")
+    if any(ch in value for ch in "\r\n\0"):
+        raise argparse.ArgumentTypeError(f"header {name}: the value holds a line break or NUL")
+    return name, value
+
+
+def _api_key_header(path: str) -> tuple[str, str]:
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the API key from {path}: {exc}") from None
+    if not key or any(ch in key for ch in "\r\n\0 "):
+        raise argparse.ArgumentTypeError(f"{path}: the API key must be one non-empty line without spaces")
+    return "Authorization", f"Bearer {key}"
+
+
+def _existing_file(path: str) -> Path:
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {path}")
+    return Path(path)
 
 
 @dataclass(frozen=True)
@@ -73,8 +154,11 @@ def request(
     if query:
         path = f"{path}?{query}"
     body = None if payload is None else json.dumps(payload).encode()
-    conn_cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(host, port, timeout=timeout_s)
+    conn: http.client.HTTPConnection
+    if scheme == "https":
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=_settings.ssl_context)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     expired = threading.Event()
     held: list[socket.socket] = []
     timer = threading.Timer(timeout_s, _kill, args=(held, expired))
@@ -82,7 +166,7 @@ def request(
     start = time.monotonic()
     timer.start()
     try:
-        headers = {"Accept": "application/json", "Connection": "close"}
+        headers = {"Accept": "application/json", "Connection": "close", **dict(_settings.headers)}
         if body is not None:
             headers["Content-Type"] = "application/json"
         conn.connect()
@@ -141,6 +225,8 @@ def _describe(exc: BaseException, url: str, timeout_s: float, expired: bool) -> 
         return f"{url}: malformed HTTP response ({type(exc).__name__}: {exc})"
     if isinstance(exc, socket.gaierror):
         return f"{url}: cannot resolve host ({exc})"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{url}: TLS certificate not verified ({exc.verify_message}; --cacert FILE names the CA)"
     return f"{url}: {type(exc).__name__}: {exc}"
 
 
@@ -148,8 +234,16 @@ def get_json(url: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DE
     """GET and decode JSON; a non-2xx status is an HttpError naming the status and the start of the body."""
     resp = request("GET", url, timeout_s=timeout_s, max_bytes=max_bytes)
     if not resp.ok:
-        raise HttpError(f"{url}: HTTP {resp.status}: {resp.text(120)!r}")
+        raise HttpError(f"{url}: HTTP {resp.status}{credentials_hint(resp.status)}: {resp.text(120)!r}")
     return resp.json()
+
+
+def credentials_hint(status: int) -> str:
+    """What to pass when a server refuses for want of credentials (401/403), else nothing."""
+    if status not in (401, 403):
+        return ""
+    return (" (the server wants credentials: --api-key-file FILE for a server started with --api-key, "
+            "--header 'NAME: VALUE' for a gateway's)")
 
 
 def join(base: str, path: str) -> str:

@@ -19,6 +19,9 @@ guard counters (``sglang_harden_guard_decisions_total``). Findings:
   ports: registrations, transfer infos, statuses, aborts, drain acks) are not authenticated (no secret file, or
   ``zmq_auth`` off or log).
 
+Nodes: URLs on the command line and in ``--fleet`` files. ``--api-key-file`` (a fleet started with SGLang's
+``--api-key``), ``--header``, ``--cacert`` and ``--insecure`` apply to every request; an error names its node.
+
 Exit codes (a deploy gate): 0 every node audited, no findings (except those named with ``--ignore``);
 1 findings; 2 at least one node could not be audited (unreachable, timed out, malformed answer) -- this wins
 over 1, since the set was not fully checked.
@@ -28,13 +31,23 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sglang_harden.events import METRIC_NAME
 from sglang_harden.guards.capacity import SGLANG_MARGIN, largest_advertised_prompt, largest_servable_prompt
-from sglang_harden.tools._http import HttpError, get_json, request
+from sglang_harden.tools._http import (
+    HttpError,
+    add_client_arguments,
+    configure,
+    credentials_hint,
+    get_json,
+    request,
+    settings_from_args,
+)
 from sglang_harden.tools._render import dump_json, table
 
 EXIT_OK, EXIT_FINDINGS, EXIT_UNAUDITED = 0, 1, 2
@@ -47,7 +60,9 @@ LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n", 1)[1]
-    parser.add_argument("urls", nargs="+", metavar="URL", help="SGLang server base URLs (prefill and decode)")
+    parser.add_argument("urls", nargs="*", metavar="URL", help="SGLang server base URLs (prefill and decode)")
+    parser.add_argument("--fleet", type=_fleet_file, action="append", default=[], metavar="FILE",
+                        help="read more URLs from FILE: one per line, '#' starts a comment (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="S", help="seconds per HTTP request (default 10)"
@@ -61,6 +76,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=FINDING_CODES,
         help="do not gate on this finding (still printed), e.g. guards_missing on a fleet without the plugin",
     )
+    add_client_arguments(parser)
+
+
+def _fleet_file(path: str) -> list[str]:
+    """The URLs listed in a fleet file; argparse reports a file it cannot read or a line that is not a URL."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read fleet file {path}: {exc}") from None
+    urls = []
+    for number, line in enumerate(lines, 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if " " in entry or not entry.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"{path}:{number}: not an http(s) URL: {entry!r}")
+        urls.append(entry)
+    return urls
 
 
 @dataclass
@@ -116,7 +149,8 @@ def _server_info(url: str, timeout_s: float, max_bytes: int) -> Any:
     if resp.status in (404, 405):
         resp = request("GET", url + "/get_server_info", timeout_s=timeout_s, max_bytes=max_bytes)
     if not resp.ok:
-        raise HttpError(f"{url}: server info answered HTTP {resp.status}: {resp.text(120)!r}")
+        raise HttpError(f"{url}: server info answered HTTP {resp.status}{credentials_hint(resp.status)}: "
+                        f"{resp.text(120)!r}")
     return resp.json()
 
 
@@ -395,8 +429,17 @@ def render_text(nodes: list[Node], found: list[Finding], code: int, ignored: tup
 
 def run(args: argparse.Namespace) -> int:
     timeout = max(0.1, float(args.timeout))
-    with ThreadPoolExecutor(max_workers=min(8, len(args.urls))) as pool:
-        nodes = list(pool.map(lambda u: _safe_audit(u, timeout, args.max_bytes), args.urls))
+    urls = list(dict.fromkeys([*args.urls, *(url for listed in args.fleet for url in listed)]))
+    if not urls:
+        print("audit: give node URLs, or --fleet FILE", file=sys.stderr)
+        return EXIT_UNAUDITED
+    try:
+        configure(settings_from_args(args))
+    except ValueError as exc:
+        print(f"audit: {exc}", file=sys.stderr)
+        return EXIT_UNAUDITED
+    with ThreadPoolExecutor(max_workers=min(8, len(urls))) as pool:
+        nodes = list(pool.map(lambda u: _safe_audit(u, timeout, args.max_bytes), urls))
     found = findings(nodes)
     code = exit_code(nodes, found, tuple(args.ignore))
     if args.json:

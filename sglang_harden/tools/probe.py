@@ -38,7 +38,15 @@ from sglang_harden.tools._endpoint import (
     PairEndpoint,
     Prompt,
 )
-from sglang_harden.tools._http import HttpError, get_json, request, split_url
+from sglang_harden.tools._http import (
+    HttpError,
+    add_client_arguments,
+    configure,
+    get_json,
+    request,
+    settings_from_args,
+    split_url,
+)
 from sglang_harden.tools._render import dump_json, progress, table
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -76,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="determinism,oversize,cross_tenant,echo_canary",
         help="comma-separated subset of determinism,oversize,cross_tenant,echo_canary",
     )
+    add_client_arguments(parser)
 
 
 class BudgetExhausted(Exception):
@@ -374,6 +383,11 @@ def run(args: argparse.Namespace) -> int:
     urls = [u for u in (args.url, args.prefill, args.decode) if u]
     if not urls:
         print("probe: give a URL, or --prefill URL --decode URL")
+        return EXIT_ERROR
+    try:
+        configure(settings_from_args(args))
+    except ValueError as exc:
+        print(f"probe: {exc}")
         return EXIT_ERROR
     try:
         outside = check_loopback(urls)

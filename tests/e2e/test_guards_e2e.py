@@ -34,6 +34,7 @@ import sglang_harden
 from sglang_harden.compat.backends import BACKEND_MODULES
 from sglang_harden.compat.backends.common import DROPPING_BRANCH
 from sglang_harden.compat.pins import SUPPORTED_PINS
+from sglang_harden.testbed import alert_rules
 from sglang_harden.testbed.client import PairResult, generate, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import notify_latencies, quarantined_pages_by_room
 from sglang_harden.testbed.envs import load_pins, plugin_pins
@@ -598,7 +599,8 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
     """The operator's end-to-end isolation probes against this hardened pair (the incident's asymmetric pools):
     admission (400 at the prefill door), retire, coverage and abort notification make every probe pass; audit
     sees the guards at work (the sizing findings stay); prefill's ``/metrics`` counts the admission rejections.
-    Last of the hardened pair's tests (the probe's own traffic comes after every count the others read)."""
+    Last of the hardened pair's tests but the alert rules' read (the probe's own traffic comes after every count the
+    others read)."""
     if pin != TOOLS_PIN:
         pytest.skip(f"the operator tools' e2e cases run on {TOOLS_PIN} (test_tools_e2e.py, test_patched_incident.py)")
     pair = pairs("hardened")
@@ -620,6 +622,44 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
     status, info = http_json("GET", pair.prefill.url + "/server_info", timeout=10)
     assert status == 200 and {state["sglang_harden"]["version"] for state in info["internal_states"]} == {
         sglang_harden.__version__}, info
+
+
+def test_alert_rules_fire_on_the_hardened_pairs_metrics(pairs: PairFactory, pin: str, tmp_path: Path) -> None:
+    """The fleet's alert rules (deploy/prometheus/) over this hardened pair's real ``/metrics``, after the module's
+    traffic: the unsigned callers of test_control_plane_refuses_callers_without_the_secret fire
+    SGLangHardenAuthRefusals on prefill, each integrity or auth alert fires exactly where a counter of its guards
+    is non-zero, and SGLangHardenMissing and SGLangHardenGuardsNotArmed stay silent on both nodes. The control:
+    test_tools_e2e.py's vanilla pair, where SGLangHardenMissing fires on both nodes."""
+    if pin != TOOLS_PIN:
+        pytest.skip(f"the alert rules' e2e cases run on {TOOLS_PIN} (the pair with --enable-metrics)")
+    if alert_rules.promtool() is None:
+        pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it)")
+    pytest.importorskip("yaml")  # the rules' annotations
+    pair = pairs("hardened")
+    series: dict[str, str] = {}
+    counters: dict[str, dict[str, dict[str, float]]] = {}
+    for instance, node in (("prefill", pair.prefill), ("decode", pair.decode)):
+        with urllib.request.urlopen(node.url + "/metrics", timeout=10) as response:
+            exposition = response.read().decode()
+        series.update(alert_rules.series_from_metrics(exposition, instance))
+        counters[instance] = parse_guard_counters(exposition)
+    assert counters["prefill"].get("bootstrap_auth", {}).get("reject", 0) >= 1, counters
+    expected: dict[str, list[dict[str, str]]] = {"SGLangHardenAuthRefusals": [], "SGLangHardenIntegrityAbort": []}
+    for alert, guards, decisions, severity in (
+            ("SGLangHardenAuthRefusals", ("bootstrap_auth", "zmq_auth"), ("reject", "reject_logged"), "warning"),
+            ("SGLangHardenIntegrityAbort", ("checksum", "canary", "page_tags", "coverage"),
+             ("abort", "abort_logged"), "critical")):
+        for instance, by_guard in counters.items():
+            for guard in guards:
+                for decision in decisions:
+                    if by_guard.get(guard, {}).get(decision, 0) > 0:
+                        expected[alert].append({"instance": instance, "guard": guard, "decision": decision,
+                                                "severity": severity})
+    judged = frozenset({*expected, "SGLangHardenMissing", "SGLangHardenGuardsNotArmed", "SGLangHardenNotEnforcing"})
+    scenario = alert_rules.Scenario("hardened pair", series, alert_rules.COUNTED_AT_MINUTE + 5, expected,
+                                    checked=judged)
+    result = alert_rules.run([scenario], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr, sorted(series))
 
 
 def test_vanilla_serves_a_short_send(pairs: PairFactory, pin: str) -> None:

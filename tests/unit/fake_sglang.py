@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,9 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = None
         route = self.server.routes.get((method, self.path)) or self.server.routes.get(("*", self.path))
+        if any(self.headers.get(name) != value for name, value in self.server.required_headers.items()):
+            self.reply(401, {"error": "Unauthorized"})  # what SGLang's --api-key check answers
+            return
         if route is None:
             self.reply(404, {"detail": "Not Found"})
             return
@@ -59,16 +63,22 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     routes: dict[tuple[str, str], Route]
+    required_headers: dict[str, str]
 
 
 @contextlib.contextmanager
-def serve(routes: dict[tuple[str, str], Route]) -> Iterator[str]:
+def serve(routes: dict[tuple[str, str], Route], required_headers: dict[str, str] | None = None,
+          tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """The fake's base URL; every request without ``required_headers`` gets 401; ``tls``: served over https."""
     server = _Server(("127.0.0.1", 0), Handler)
     server.routes = routes
+    server.required_headers = dict(required_headers or {})
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

@@ -10,14 +10,14 @@ import pytest
 
 from sglang_harden import events
 from sglang_harden.config import Mode
-from sglang_harden.guards.base import allow
+from sglang_harden.guards.base import Decision, Verdict, allow
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
 
-def _sample(guard: str, decision: str) -> float:
+def _sample(guard: str, decision: str, mode: str = "enforce") -> float:
     value = prometheus_client.REGISTRY.get_sample_value(
-        events.METRIC_NAME + "_total", {"guard": guard, "decision": decision}
+        events.METRIC_NAME + "_total", {"guard": guard, "decision": decision, "mode": mode}
     )
     return value or 0.0
 
@@ -48,3 +48,17 @@ def test_build_info_names_the_version_pin_and_mode() -> None:
     events.publish_build_info(**{**labels, "role": "scheduler/prefill"})
     for role in ("scheduler/decode", "scheduler/prefill"):
         assert prometheus_client.REGISTRY.get_sample_value(events.BUILD_INFO_NAME, {**labels, "role": role}) == 1
+
+
+def test_mode_is_its_own_label_for_recorded_and_tallied_decisions() -> None:
+    tally = events.Tally(allow("prom_modes"))
+    tally.bump(Mode.ENFORCE)
+    tally.bump(Mode.LOG)
+    tally.bump(Mode.LOG)
+    events.record(Decision("prom_modes", Verdict.REJECT, "test"), Mode.LOG, quiet=True)
+    events.record(Decision("prom_modes", Verdict.REJECT, "test"), Mode.ENFORCE, quiet=True)
+    assert events.snapshot()["prom_modes:allow"] == 3
+    assert (_sample("prom_modes", "allow", "enforce"), _sample("prom_modes", "allow", "log")) == (1, 2)
+    assert _sample("prom_modes", "reject_logged", "log") == 1
+    assert _sample("prom_modes", "reject", "enforce") == 1
+    assert _sample("prom_modes", "reject", "log") == 0

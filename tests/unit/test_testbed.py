@@ -593,3 +593,31 @@ def test_armed_schedulers_reads_the_runtime_start_up_lines(tmp_path: Path, caplo
     server.log_path.write_text("starting\n" + caplog.text + "\nfired up and ready to roll\n")
     assert server.armed_schedulers() == [
         ArmedScheduler("0.5.23", "decode", os.getpid(), "plugin", ("admission", "retire"))]
+
+
+def test_reset_waits_for_a_leader_still_exiting_and_refuses_a_running_one(tmp_path: Path) -> None:
+    """A pair restarted on fresh ports after a port clash resets each part: a leader that is still finishing
+    (CI saw one a moment after its group was found gone) is waited for; one that keeps running is refused."""
+    from sglang_harden.testbed.server import ServerError, _Process
+
+    class Part(_Process):
+        name, log_path = "part", tmp_path / "part.log"
+        picked = 0
+
+        def pick_ports(self) -> None:
+            self.picked += 1
+
+    exiting = Part()
+    exiting.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    exiting.reset(exit_wait_s=30.0)
+    assert exiting.proc is None and exiting.picked == 1
+
+    running = Part()
+    running.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(ServerError, match="part is still running"):
+            running.reset(exit_wait_s=0.2)
+        assert running.proc is not None and running.picked == 0
+    finally:
+        running.proc.kill()
+        running.proc.wait(timeout=10)
