@@ -1,8 +1,8 @@
 """Evidence for every guard decision: one Prometheus counter sample and one structured log line.
 
 ``sglang_harden_guard_decisions_total{guard,decision,mode}`` is created lazily in the process that decides
-(``decision`` ends in ``_logged`` for a decision taken in log mode, as in the log line; ``mode`` is ``enforce`` or
-``log``). When
+(``mode`` is ``enforce`` or ``log``; as in the log line, a refusing decision taken in log mode ends in ``_logged``:
+``reject_logged``, ``abort_logged``). :func:`prime` makes a decision's sample exist, at 0, before it first happens. When
 SGLang runs with ``--enable-metrics`` it sets ``PROMETHEUS_MULTIPROC_DIR`` before spawning its scheduler, so a
 counter created there shows up on the server's ``/metrics``. Without prometheus_client the counts are kept in
 memory only (``snapshot()``), which the tests and ``doctor`` read.
@@ -74,7 +74,7 @@ def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: ob
     if mode is Mode.OFF:
         return False
     applied = mode is Mode.ENFORCE
-    label = decision.verdict.value if applied or decision.allows else f"{decision.verdict.value}_logged"
+    label = _label(decision, mode)
     with _lock:
         _counts[(decision.guard, label)] += 1
     child = _counter_child(decision.guard, label, mode.value)
@@ -84,6 +84,18 @@ def record(decision: Decision, mode: Mode, *, quiet: bool = False, **context: ob
     if not quiet and logger.isEnabledFor(level):  # an allow on the hot path costs a counter bump, not a JSON dump
         logger.log(level, "%s %s", LOG_TAG, _log_line(decision, mode, label, context))
     return applied and not decision.allows
+
+
+def prime(decision: Decision, mode: Mode) -> None:
+    """Make ``decision``'s sample exist, at 0, before it first happens (nothing in ``off`` mode): Prometheus sees no
+    increase in a series whose first sample is already 1, so an alert on the first such decision needs the 0 first."""
+    if mode is not Mode.OFF:
+        _counter_child(decision.guard, _label(decision, mode), mode.value)
+
+
+def _label(decision: Decision, mode: Mode) -> str:
+    applied = mode is Mode.ENFORCE
+    return decision.verdict.value if applied or decision.allows else f"{decision.verdict.value}_logged"
 
 
 class Tally:
@@ -210,11 +222,12 @@ def reset_for_tests() -> None:
 
 GAUGE_NAME = "sglang_harden_quarantined_pages"
 CAP_GAUGE_NAME = "sglang_harden_quarantine_cap_pages"
+# one sample per live scheduler (its pid a label): each has its own pool, ledger and cap
 _quarantine_gauge = _LazyMetric("Gauge", GAUGE_NAME, "KV pages held back until their writer drains",
-                                multiprocess_mode="livesum")
+                                multiprocess_mode="liveall")
 _quarantine_cap_gauge = _LazyMetric("Gauge", CAP_GAUGE_NAME,
                                     "quarantined KV pages at which decode stops admitting new transfers",
-                                    multiprocess_mode="livesum")
+                                    multiprocess_mode="liveall")
 
 
 def set_quarantined_pages(value: int, cap: int) -> None:

@@ -12,8 +12,17 @@ from typing import Any
 from sglang_harden import __version__, events
 from sglang_harden.compat import digest_channel, notify
 from sglang_harden.config import HardenConfig, load_config
+from sglang_harden.guards import bootstrap_auth, canary, checksum, coverage, page_tags, zmq_auth
+from sglang_harden.guards.base import Decision, Verdict
 
 logger = logging.getLogger("sglang_harden")
+
+# The decisions the fleet's alert rules watch (deploy/prometheus/): each armed guard's sample exists from start-up,
+# at 0, so that its first occurrence is an increase Prometheus can see.
+WATCHED_DECISIONS = {
+    checksum.GUARD: Verdict.ABORT, canary.GUARD: Verdict.ABORT, page_tags.GUARD: Verdict.ABORT,
+    coverage.GUARD: Verdict.ABORT, bootstrap_auth.GUARD: Verdict.REJECT, zmq_auth.GUARD: Verdict.REJECT,
+}
 
 
 class HardenRefusal(RuntimeError):
@@ -88,7 +97,7 @@ class Runtime:
         return modes.pop() if len(modes) == 1 else ("none" if not modes else "mixed")
 
     def log_active(self, role: str) -> None:
-        """The start-up line, and ``sglang_harden_build_info`` on ``/metrics``."""
+        """The start-up line, ``sglang_harden_build_info`` on ``/metrics`` and the watched decisions' samples at 0."""
         mode = self.mode_summary()
         logger.warning(
             "sglang-harden active: pin=%s family=%s role=%s pid=%s via=%s guards=%s capacity=%s mode=%s version=%s",
@@ -96,6 +105,9 @@ class Runtime:
             mode, __version__,
         )
         events.publish_build_info(version=__version__, pin=self.pin, family=self.family, role=role, mode=mode)
+        for guard in self.armed:
+            if guard in WATCHED_DECISIONS:
+                events.prime(Decision(guard, WATCHED_DECISIONS[guard]), self.config.mode(guard))
 
 
 def _prepare_digest_kernel() -> None:

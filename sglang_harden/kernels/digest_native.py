@@ -2,10 +2,11 @@
 
 The torch path cannot hash at memory speed on a CPU: torch has no fused multiply-and-reduce for integers, so
 each chunk makes several passes and the row hashes are widened to int64. This path is one small C function
-(``digest_native.c``, next to this file) that reads every digested byte once. It is compiled on first use with
-the system C compiler into ``$SGLANG_HARDEN_HOME/kernels`` (default ``~/.cache/sglang-harden/kernels``), keyed
-by the source, the compiler and the flags, and loaded with ctypes (:mod:`.native_build`). ctypes drops the GIL
-during the call, so the layer halves are split over ``threads`` Python threads.
+(``digest_native.c``, next to this file) that reads every digested byte once. It is compiled with the system C
+compiler (by ``sglang-harden build-kernels``, or on first use) into ``$SGLANG_HARDEN_HOME/kernels`` (default
+``~/.cache/sglang-harden/kernels``), keyed by the source and the flags, and loaded with ctypes
+(:mod:`.native_build`). ctypes drops the GIL during the call, so the layer halves are split over ``threads`` Python
+threads.
 
 No compiler, a failed build or ``SGLANG_HARDEN_NATIVE_DIGEST=0``: :func:`native_library` returns ``None`` and
 callers use the torch path (same digests, slower). :func:`native_status` says which and why, for ``doctor``.

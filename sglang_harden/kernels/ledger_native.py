@@ -22,7 +22,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from sglang_harden.kernels.native_build import BASE_FLAGS, import_extension, load_library
+from sglang_harden.kernels.native_build import BASE_FLAGS, import_extension, library_path, load_library
 
 SOURCE = Path(__file__).with_name("ledger_native.c")
 DISABLE_ENV = "SGLANG_HARDEN_NATIVE_LEDGER"
@@ -40,10 +40,10 @@ MODULE = "sglang_harden_ledger_native"  # the name PyInit_ in ledger_native.c ca
 
 def _load() -> tuple[Any, str]:
     include = sysconfig.get_paths().get("include") or ""
-    if not Path(include, "Python.h").exists():
-        return None, f"no Python.h under {include!r} (install the Python development headers)"
-    return load_library(SOURCE, "ledger", DISABLE_ENV, (*BASE_FLAGS, f"-I{include}"),
-                        loader=lambda path: import_extension(MODULE, path))
+    flags = (*BASE_FLAGS, f"-I{include}")
+    if not Path(include, "Python.h").exists() and not library_path(SOURCE, "ledger", flags).exists():
+        return None, f"no Python.h under {include!r} (install the Python development headers) and no library built"
+    return load_library(SOURCE, "ledger", DISABLE_ENV, flags, loader=lambda path: import_extension(MODULE, path))
 
 
 def ledger_library() -> Any:

@@ -50,12 +50,23 @@ def rules(rules_file: Path = RULES_FILE) -> list[dict[str, Any]]:
     return [rule for group in yaml.safe_load(rules_file.read_text())["groups"] for rule in group["rules"]]
 
 
-def series_from_metrics(exposition: str, instance: str, job: str = SCRAPE_JOB) -> dict[str, str]:
-    """One scrape of a ``/metrics`` page as promtool series on ``instance``: ``up{instance,job} 1`` (what Prometheus
-    adds for a target it scraped) and the page's ``sglang_harden_*`` samples. A gauge keeps its value throughout, a
-    counter is 0 until :data:`COUNTED_AT_MINUTE` and its scraped value after (so an alert on its increase sees the
-    scraped count arrive)."""
-    series: dict[str, str] = {selector("up", instance=instance, job=job): f"1x{SAMPLES}"}
+def series_from_scrapes(before: str | None, after: str, instance: str, job: str = SCRAPE_JOB) -> dict[str, str]:
+    """Two scrapes of one ``/metrics`` page (``before``: ``None`` for none) as promtool series on ``instance``:
+    ``up{instance,job} 1`` throughout (what Prometheus adds for a target it scrapes), and each ``sglang_harden_*``
+    sample at its ``before`` value (absent where ``before`` lacked it) until :data:`COUNTED_AT_MINUTE`, at its
+    ``after`` value from then on."""
+    first, last = _samples(before or ""), _samples(after)
+    series = {selector("up", instance=instance, job=job): f"1x{SAMPLES}"}
+    for key in sorted(first.keys() | last.keys()):
+        name, labels = key
+        head = f"{first[key]:g}x{COUNTED_AT_MINUTE}" if key in first else f"_x{COUNTED_AT_MINUTE}"
+        tail = f" {last[key]:g}x{SAMPLES - COUNTED_AT_MINUTE - 1}" if key in last else ""
+        series[selector(name, **dict(labels), instance=instance)] = head + tail
+    return series
+
+
+def _samples(exposition: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    samples = {}
     for line in exposition.splitlines():
         match = _SAMPLE.match(line)
         if match is None or line.startswith("#"):
@@ -63,15 +74,9 @@ def series_from_metrics(exposition: str, instance: str, job: str = SCRAPE_JOB) -
         name = match.group("name")
         if not name.startswith("sglang_harden_") or name.endswith("_created"):
             continue
-        labels = dict(_LABEL.findall(match.group("labels") or ""))
-        labels.pop("pid", None)
-        value = float(match.group("value"))
-        key = selector(name, **{**labels, "instance": instance})
-        if name.endswith("_total"):
-            series[key] = f"0x{COUNTED_AT_MINUTE} {value:g}x{SAMPLES - COUNTED_AT_MINUTE}"
-        else:
-            series[key] = f"{value:g}x{SAMPLES}"
-    return series
+        labels = tuple(sorted(_LABEL.findall(match.group("labels") or "")))
+        samples[(name, labels)] = float(match.group("value"))
+    return samples
 
 
 def _unit_tests(rules_file: Path, scenarios: list[Scenario], interval: str) -> dict[str, Any]:

@@ -166,9 +166,12 @@ def request(
     start = time.monotonic()
     timer.start()
     try:
-        headers = {"Accept": "application/json", "Connection": "close", **dict(_settings.headers)}
+        headers = {"Accept": "application/json", "Connection": "close"}
         if body is not None:
             headers["Content-Type"] = "application/json"
+        for name, value in _settings.headers:  # the operator's header replaces ours of the same name, any case
+            headers = {key: kept for key, kept in headers.items() if key.lower() != name.lower()}
+            headers[name] = value
         conn.connect()
         if conn.sock is not None:
             held.append(conn.sock)  # the response keeps using it after conn.sock is dropped

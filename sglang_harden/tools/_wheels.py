@@ -9,11 +9,14 @@ The pip is the running Python's, else its base interpreter's, else ``python3``'s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import re
 import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from sglang_harden.testbed.envs import harden_home, venv_dir
@@ -75,7 +78,21 @@ def release_tree(version: str, download: bool = True) -> Path:
     if not download:
         raise ReleaseUnavailable(f"sglang {version}: no venv or unpacked wheel under {harden_home()}, and downloads "
                                  "are off")
-    return _unpack(_download(version), unpacked)
+    with _exclusive(unpacked.with_name(f"{version}.lock")):  # other processes (test workers) may want it too
+        if (unpacked / "sglang" / "srt").is_dir():
+            return unpacked
+        return _unpack(_download(version), unpacked)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _download(version: str) -> Path:

@@ -1,8 +1,9 @@
 """``sglang-harden build-kernels``: compile the native digest and page-ledger libraries now, as an image's build
 step, instead of at a server's start-up.
 
-They go to ``$SGLANG_HARDEN_HOME/kernels`` (default ``~/.cache/sglang-harden/kernels``), keyed by source, compiler
-and CPU flags. A server loads them from the same folder, so set the same ``SGLANG_HARDEN_HOME`` where it runs.
+They go to ``$SGLANG_HARDEN_HOME/kernels`` (default ``~/.cache/sglang-harden/kernels``), keyed by source and flags
+(the CPU features; for the ledger, this Python's headers: run it with the servers' Python). A server loads them
+from the same folder, so set the same ``SGLANG_HARDEN_HOME`` where it runs.
 Where a library is missing and cannot be built there (no compiler, a read-only folder), the server runs the
 torch/numpy path instead (the same decisions, slower) and says so in a warning at start-up.
 

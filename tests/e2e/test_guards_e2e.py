@@ -98,6 +98,7 @@ SUCCESS_SYNC_ENV = "SGLANG_HARDEN_TESTBED_DELAY_SUCCESS_SYNC"
 SUCCESS_SYNC_TRIGGER = "delay-success-sync"
 SUCCESS_SYNC_DELAY_S = 5.0
 TOOLS_PIN = "0.5.19"  # where the operator tools' e2e cases run (probe here, on the hardened pair)
+FIRST_SCRAPES: dict[str, dict[str, str]] = {}  # pin -> {role: the hardened pair's /metrics right after its start}
 RETIRE_PREFIX = "retire-"  # rids the test-only abortsend hook aborts on prefill right before the final send
 
 
@@ -153,9 +154,17 @@ def _start(pin: str, kind: str, log_dir: Path) -> PDPair:
              LATE_WRITE_ENV: f"{LATE_DELAY_S}:{LATE_ROOM}:timeout={LATE_TIMEOUT_S}",
              KVTRACE_ENV: str(log_dir / "kvtrace"),
              "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S": str(LATE_LIFETIME_S)} if hardened else {}
-    return start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, router=True,
+    pair = start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, router=True,
                                harden_env={**HARDEN_ENV, **shims}, progress=True,
                                flags=["--enable-metrics"] if hardened else [])
+    if hardened:
+        FIRST_SCRAPES[pin] = {node.role: _metrics(node.url) for node in (pair.prefill, pair.decode)}
+    return pair
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 def _start_truncating(pin: str, hardened: bool, log_dir: Path) -> PDPair:
@@ -612,8 +621,7 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
     code, audit = run_tool("audit", pair.prefill.url, pair.decode.url)
     assert all(node["armed_guards"] or node["guards"] for node in audit["nodes"]), audit
     assert "guards_missing" not in {f["code"] for f in audit["findings"]}
-    with urllib.request.urlopen(pair.prefill.url + "/metrics", timeout=10) as response:
-        exposition = response.read().decode()
+    exposition = _metrics(pair.prefill.url)
     counters = parse_guard_counters(exposition)
     assert counters.get("admission", {}).get("reject", 0) >= 1, counters
     build_info = [line for line in exposition.splitlines() if line.startswith("sglang_harden_build_info{")]
@@ -625,11 +633,13 @@ def test_probe_passes_on_hardened_pair(pairs: PairFactory, pin: str) -> None:
 
 
 def test_alert_rules_fire_on_the_hardened_pairs_metrics(pairs: PairFactory, pin: str, tmp_path: Path) -> None:
-    """The fleet's alert rules (deploy/prometheus/) over this hardened pair's real ``/metrics``, after the module's
-    traffic: the unsigned callers of test_control_plane_refuses_callers_without_the_secret fire
-    SGLangHardenAuthRefusals on prefill, each integrity or auth alert fires exactly where a counter of its guards
-    is non-zero, and SGLangHardenMissing and SGLangHardenGuardsNotArmed stay silent on both nodes. The control:
-    test_tools_e2e.py's vanilla pair, where SGLangHardenMissing fires on both nodes."""
+    """The fleet's alert rules (deploy/prometheus/) over this hardened pair's real ``/metrics``, scraped right after
+    its start and again after the module's traffic: the unsigned callers of
+    test_control_plane_refuses_callers_without_the_secret fire SGLangHardenAuthRefusals on prefill (which needs its
+    sample at 0 in the first scrape: Prometheus sees no increase in a series that first appears at 1), each
+    integrity or auth alert fires exactly where a counter of its guards grew, and SGLangHardenMissing and
+    SGLangHardenGuardsNotArmed stay silent on both nodes. The control: test_tools_e2e.py's vanilla pair, where
+    SGLangHardenMissing fires on both nodes."""
     if pin != TOOLS_PIN:
         pytest.skip(f"the alert rules' e2e cases run on {TOOLS_PIN} (the pair with --enable-metrics)")
     if alert_rules.promtool() is None:
@@ -639,10 +649,12 @@ def test_alert_rules_fire_on_the_hardened_pairs_metrics(pairs: PairFactory, pin:
     series: dict[str, str] = {}
     counters: dict[str, dict[str, dict[str, float]]] = {}
     for instance, node in (("prefill", pair.prefill), ("decode", pair.decode)):
-        with urllib.request.urlopen(node.url + "/metrics", timeout=10) as response:
-            exposition = response.read().decode()
-        series.update(alert_rules.series_from_metrics(exposition, instance))
-        counters[instance] = parse_guard_counters(exposition)
+        first, last = FIRST_SCRAPES[pin][node.role], _metrics(node.url)
+        series.update(alert_rules.series_from_scrapes(first, last, instance))
+        before, after = parse_guard_counters(first), parse_guard_counters(last)
+        counters[instance] = {guard: {decision: count - before.get(guard, {}).get(decision, 0.0)
+                                      for decision, count in by_decision.items()}
+                              for guard, by_decision in after.items()}
     assert counters["prefill"].get("bootstrap_auth", {}).get("reject", 0) >= 1, counters
     expected: dict[str, list[dict[str, str]]] = {"SGLangHardenAuthRefusals": [], "SGLangHardenIntegrityAbort": []}
     for alert, guards, decisions, severity in (

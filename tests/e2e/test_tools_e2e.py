@@ -55,7 +55,7 @@ def test_alert_rules_see_a_vanilla_pair_as_unprotected(vanilla_symmetric: Any, t
     series: dict[str, str] = {}
     for instance, node in (("prefill", pair.prefill), ("decode", pair.decode)):
         with urllib.request.urlopen(node.url + "/metrics", timeout=10) as response:
-            series.update(alert_rules.series_from_metrics(response.read().decode(), instance))
+            series.update(alert_rules.series_from_scrapes(None, response.read().decode(), instance))
     assert not any(key.startswith("sglang_harden_") for key in series), sorted(series)
     missing = [{"instance": instance, "severity": "critical"} for instance in ("decode", "prefill")]
     scenario = alert_rules.Scenario("vanilla pair", series, 30, {"SGLangHardenMissing": missing})

@@ -8,7 +8,7 @@
   with any one alert's expression replaced by one that never fires, or always fires, the same test fails.
 
 Runs in a pin venv (prometheus_client, PyYAML): ``scripts/run_tests.sh`` lists it with the torch tests.
-promtool: ``scripts/fetch_promtool.sh`` (``.ci/run`` puts it on ``PATH``).
+promtool: ``scripts/fetch_promtool.sh`` (``scripts/run_tests.sh`` puts it on ``PATH``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ _series = alert_rules.selector
 def _promtool() -> str:
     found = alert_rules.promtool()
     if found is None:
-        pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it; .ci/run puts it on PATH)")
+        pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it, scripts/run_tests.sh runs that)")
     return found
 
 
@@ -48,6 +48,9 @@ def _healthy_node(instance: str) -> dict[str, str]:
     return {
         _series(events.BUILD_INFO_NAME, instance=instance, mode="enforce", **BUILD): "1x600",
         _series(DECISIONS, instance=instance, guard=checksum.GUARD, decision="allow", mode="enforce"): "0+10x600",
+        # primed at start-up (compat/runtime.py WATCHED_DECISIONS)
+        _series(DECISIONS, instance=instance, guard=checksum.GUARD, decision="abort", mode="enforce"): "0x600",
+        _series(DECISIONS, instance=instance, guard=bootstrap_auth.GUARD, decision="reject", mode="enforce"): "0x600",
         _series(events.GAUGE_NAME, instance=instance): "0x600",
         _series(events.CAP_GAUGE_NAME, instance=instance): "64x600",
         _series("up", instance=instance, job="sglang-decode"): "1x600",
@@ -63,6 +66,11 @@ def _without_build_info(node: dict[str, str]) -> dict[str, str]:
     return {key: values for key, values in node.items() if not key.startswith(events.BUILD_INFO_NAME)}
 
 
+def _without_gauges(node: dict[str, str]) -> dict[str, str]:
+    return {key: values for key, values in node.items()
+            if not key.startswith((events.GAUGE_NAME + "{", events.CAP_GAUGE_NAME + "{"))}
+
+
 SCENARIOS = [
     Scenario("healthy", _healthy_node("a"), 30),
     Scenario("integrity aborts, enforced and logged",
@@ -71,6 +79,10 @@ SCENARIOS = [
              {"SGLangHardenIntegrityAbort": [
                  {"instance": "a", "guard": checksum.GUARD, "decision": "abort", "severity": "critical"},
                  {"instance": "a", "guard": page_tags.GUARD, "decision": "abort_logged", "severity": "critical"}]}),
+    Scenario("an abort whose sample did not exist at 0 before is not seen (why the plugin primes it)",
+             {**_healthy_node("a"),
+              _series(DECISIONS, instance="a", guard=checksum.GUARD, decision="abort", mode="enforce"): "_x20 1x579"},
+             25),
     Scenario("an integrity abort is news for ten minutes",
              {**_healthy_node("a"), **_counted_at_minute_20("a", canary.GUARD, "abort")}, 40),
     Scenario("auth refusals",
@@ -84,6 +96,13 @@ SCENARIOS = [
              {"SGLangHardenQuarantineNearCap": [{"instance": "a", "severity": "warning"}]}),
     Scenario("quarantine below 80 % of the cap",
              {**_healthy_node("a"), _series(events.GAUGE_NAME, instance="a"): "0x10 50x590"}, 30),
+    Scenario("one of two decode schedulers near its cap (the other empty)",
+             {**_without_gauges(_healthy_node("a")),
+              _series(events.GAUGE_NAME, instance="a", pid="11"): "0x10 52x590",
+              _series(events.CAP_GAUGE_NAME, instance="a", pid="11"): "64x600",
+              _series(events.GAUGE_NAME, instance="a", pid="12"): "0x600",
+              _series(events.CAP_GAUGE_NAME, instance="a", pid="12"): "64x600"}, 30,
+             {"SGLangHardenQuarantineNearCap": [{"instance": "a", "severity": "warning"}]}),
     Scenario("no guard armed",
              {**_without_build_info(_healthy_node("a")),
               _series(events.BUILD_INFO_NAME, instance="a", mode="none", **BUILD): "1x600"}, 30,
@@ -95,6 +114,16 @@ SCENARIOS = [
               _series(events.BUILD_INFO_NAME, instance="a", mode="log", **BUILD): "1x600"}, 8 * 24 * 60,
              {"SGLangHardenNotEnforcing": [{"instance": "a", "role": BUILD["role"], "mode": "log",
                                             "severity": "info"}]}, interval="1h"),
+    Scenario("log mode for eight days, restarted once (an hour without samples)",
+             {**_without_build_info(_healthy_node("a")),
+              _series(events.BUILD_INFO_NAME, instance="a", mode="log", **BUILD): "1x100 _ 1x500"}, 8 * 24 * 60,
+             {"SGLangHardenNotEnforcing": [{"instance": "a", "role": BUILD["role"], "mode": "log",
+                                            "severity": "info"}]}, interval="1h"),
+    Scenario("log mode for six days, then enforce",
+             {**_without_build_info(_healthy_node("a")),
+              _series(events.BUILD_INFO_NAME, instance="a", mode="log", **BUILD): "1x144",
+              _series(events.BUILD_INFO_NAME, instance="a", mode="enforce", **BUILD): "_x144 1x400"}, 8 * 24 * 60,
+             interval="1h"),
     Scenario("an SGLang node without the plugin, and a target of another job",
              {**_healthy_node("a"), _series("up", instance="b", job="sglang-prefill"): "1x600",
               _series("up", instance="c", job="node-exporter"): "1x600"}, 30,
@@ -132,8 +161,9 @@ def _exported_samples() -> set[str]:
     return samples
 
 
-def _without_instance(selector: str) -> str:
-    return re.sub(r'(?:^|(?<=[{,]))instance="[^"]*",?', "", selector).replace(",}", "}")
+def _as_exported(selector: str) -> str:
+    """The selector without what the scrape adds: ``instance``, and ``pid`` (SGLang's multiprocess collector)."""
+    return re.sub(r'(?<=[{,])(?:instance|pid)="[^"]*",?', "", selector).replace(",}", "}")
 
 
 def test_promtool_accepts_the_rules_and_rejects_a_broken_copy(tmp_path: Path) -> None:
@@ -141,8 +171,7 @@ def test_promtool_accepts_the_rules_and_rejects_a_broken_copy(tmp_path: Path) ->
                              timeout=60, check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     broken = tmp_path / "broken.yml"
-    broken.write_text(RULES.read_text().replace("sum by (instance) (sglang_harden_quarantined_pages)",
-                                                "sum by (instance) (sglang_harden_quarantined_pages", 1))
+    broken.write_text(RULES.read_text().replace("(increase(", "(increase((", 1))  # one unbalanced parenthesis
     assert broken.read_text() != RULES.read_text()
     rejected = subprocess.run([_promtool(), "check", "rules", str(broken)], capture_output=True, text=True,
                               timeout=60, check=False)
@@ -151,7 +180,7 @@ def test_promtool_accepts_the_rules_and_rejects_a_broken_copy(tmp_path: Path) ->
 
 def test_the_scenarios_feed_only_what_the_plugin_exports() -> None:
     exported = _exported_samples()
-    fed = {_without_instance(key) for scenario in SCENARIOS for key in scenario.series
+    fed = {_as_exported(key) for scenario in SCENARIOS for key in scenario.series
            if key.startswith("sglang_harden_")}
     assert fed, "no sglang_harden series in the scenarios"
     assert fed <= exported, sorted(fed - exported)

@@ -122,3 +122,45 @@ def test_release_sources_download_with_a_pip_that_exists(monkeypatch: pytest.Mon
         "TimeoutExpired": subprocess.TimeoutExpired}))
     with pytest.raises(_wheels.ReleaseUnavailable, match="no pip here"):
         _wheels.pip_command()
+
+
+def test_release_tree_is_unpacked_once_when_workers_ask_at_once(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two test workers on a fresh machine asked for the same release at once and raced on its unpacking (CI: a
+    FileExistsError in the '.partial' folder); the release's lock makes one of them fetch and unpack it."""
+    import threading
+    import time
+    import zipfile
+
+    from sglang_harden.tools import _wheels
+
+    monkeypatch.setenv("SGLANG_HARDEN_HOME", str(tmp_path / "home"))
+    wheel = tmp_path / "sglang-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for index in range(200):
+            zf.writestr(f"sglang/srt/module_{index}.py", "x = 1\n")
+    fetched: list[str] = []
+
+    def download(version: str) -> Path:
+        fetched.append(version)
+        time.sleep(0.2)
+        return wheel
+
+    monkeypatch.setattr(_wheels, "_download", download)
+    trees: list[Path] = []
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            trees.append(_wheels.release_tree("9.9.9"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=ask) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not errors, errors
+    assert fetched == ["9.9.9"] and len(set(trees)) == 1 and len(trees) == 4
+    assert len(list((trees[0] / "sglang" / "srt").glob("*.py"))) == 200

@@ -62,3 +62,38 @@ def test_mode_is_its_own_label_for_recorded_and_tallied_decisions() -> None:
     assert _sample("prom_modes", "reject_logged", "log") == 1
     assert _sample("prom_modes", "reject", "enforce") == 1
     assert _sample("prom_modes", "reject", "log") == 0
+
+
+def test_primed_decisions_exist_at_zero_before_they_happen() -> None:
+    events.prime(Decision("prom_prime", Verdict.ABORT), Mode.ENFORCE)
+    events.prime(Decision("prom_prime_log", Verdict.REJECT), Mode.LOG)
+    events.prime(Decision("prom_prime_off", Verdict.ABORT), Mode.OFF)
+    registry = prometheus_client.REGISTRY
+    assert registry.get_sample_value(events.METRIC_NAME + "_total",
+                                     {"guard": "prom_prime", "decision": "abort", "mode": "enforce"}) == 0
+    assert registry.get_sample_value(events.METRIC_NAME + "_total",
+                                     {"guard": "prom_prime_log", "decision": "reject_logged", "mode": "log"}) == 0
+    assert registry.get_sample_value(events.METRIC_NAME + "_total",
+                                     {"guard": "prom_prime_off", "decision": "abort", "mode": "off"}) is None
+    events.record(Decision("prom_prime", Verdict.ABORT, "test"), Mode.ENFORCE, quiet=True)
+    assert _sample("prom_prime", "abort") == 1
+
+
+def test_start_up_primes_the_watched_decisions_of_armed_guards() -> None:
+    """What the alert rules watch starts at 0 on /metrics for each armed guard, in its mode; nothing for a guard
+    that is not armed or not watched."""
+    from sglang_harden.compat.runtime import WATCHED_DECISIONS, Runtime
+    from sglang_harden.config import HardenConfig
+
+    registry = prometheus_client.REGISTRY
+    admission = {"guard": "admission", "decision": "reject", "mode": "enforce"}
+    admission_before = registry.get_sample_value(events.METRIC_NAME + "_total", admission)
+    runtime = Runtime(config=HardenConfig(bootstrap_auth=Mode.LOG), pin="0.5.23", family="test",
+                      armed=("checksum", "bootstrap_auth", "admission"))
+    runtime.log_active(role="scheduler/prime-test")
+    assert set(WATCHED_DECISIONS) >= {"checksum", "bootstrap_auth"} and "admission" not in WATCHED_DECISIONS
+    assert registry.get_sample_value(events.METRIC_NAME + "_total",
+                                     {"guard": "checksum", "decision": "abort", "mode": "enforce"}) is not None
+    logged = {"guard": "bootstrap_auth", "decision": "reject_logged", "mode": "log"}
+    assert registry.get_sample_value(events.METRIC_NAME + "_total", logged) is not None
+    assert registry.get_sample_value(events.METRIC_NAME + "_total", admission) == admission_before

@@ -11,6 +11,7 @@ import json
 import shutil
 import ssl
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ BEARER = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(autouse=True)
-def _default_client_settings() -> None:
+def _default_client_settings() -> Iterator[None]:
     """Each CLI run configures the process-wide client: start and end every test from the default."""
     _http.configure(_http.ClientSettings())
     yield
