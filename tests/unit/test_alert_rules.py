@@ -66,6 +66,17 @@ def _without_build_info(node: dict[str, str]) -> dict[str, str]:
     return {key: values for key, values in node.items() if not key.startswith(events.BUILD_INFO_NAME)}
 
 
+def _node_in_modes(**build_info_by_mode: str) -> dict[str, str]:
+    """Node "a" of :func:`_healthy_node` whose build info has these samples per mode instead of enforce throughout."""
+    return {**_without_build_info(_healthy_node("a")),
+            **{_series(events.BUILD_INFO_NAME, instance="a", mode=mode, **BUILD): values
+               for mode, values in build_info_by_mode.items()}}
+
+
+NOT_ENFORCING = {"SGLangHardenNotEnforcing": [{"instance": "a", "role": BUILD["role"], "mode": "log",
+                                               "severity": "info"}]}
+
+
 def _without_gauges(node: dict[str, str]) -> dict[str, str]:
     return {key: values for key, values in node.items()
             if not key.startswith((events.GAUGE_NAME + "{", events.CAP_GAUGE_NAME + "{"))}
@@ -103,26 +114,14 @@ SCENARIOS = [
               _series(events.GAUGE_NAME, instance="a", pid="12"): "0x600",
               _series(events.CAP_GAUGE_NAME, instance="a", pid="12"): "64x600"}, 30,
              {"SGLangHardenQuarantineNearCap": [{"instance": "a", "severity": "warning"}]}),
-    Scenario("no guard armed",
-             {**_without_build_info(_healthy_node("a")),
-              _series(events.BUILD_INFO_NAME, instance="a", mode="none", **BUILD): "1x600"}, 30,
+    Scenario("no guard armed", _node_in_modes(none="1x600"), 30,
              {"SGLangHardenGuardsNotArmed": [
                  {"instance": "a", "role": BUILD["role"], "pin": BUILD["pin"], "severity": "critical"}]}),
     # an hour between samples: eight days of minutes take promtool a minute
-    Scenario("log mode for eight days",
-             {**_without_build_info(_healthy_node("a")),
-              _series(events.BUILD_INFO_NAME, instance="a", mode="log", **BUILD): "1x600"}, 8 * 24 * 60,
-             {"SGLangHardenNotEnforcing": [{"instance": "a", "role": BUILD["role"], "mode": "log",
-                                            "severity": "info"}]}, interval="1h"),
+    Scenario("log mode for eight days", _node_in_modes(log="1x600"), 8 * 24 * 60, NOT_ENFORCING, interval="1h"),
     Scenario("log mode for eight days, restarted once (an hour without samples)",
-             {**_without_build_info(_healthy_node("a")),
-              _series(events.BUILD_INFO_NAME, instance="a", mode="log", **BUILD): "1x100 _ 1x500"}, 8 * 24 * 60,
-             {"SGLangHardenNotEnforcing": [{"instance": "a", "role": BUILD["role"], "mode": "log",
-                                            "severity": "info"}]}, interval="1h"),
-    Scenario("log mode for six days, then enforce",
-             {**_without_build_info(_healthy_node("a")),
-              _series(events.BUILD_INFO_NAME, instance="a", mode="log", **BUILD): "1x144",
-              _series(events.BUILD_INFO_NAME, instance="a", mode="enforce", **BUILD): "_x144 1x400"}, 8 * 24 * 60,
+             _node_in_modes(log="1x100 _ 1x500"), 8 * 24 * 60, NOT_ENFORCING, interval="1h"),
+    Scenario("log mode for six days, then enforce", _node_in_modes(log="1x144", enforce="_x144 1x400"), 8 * 24 * 60,
              interval="1h"),
     Scenario("an SGLang node without the plugin, and a target of another job",
              {**_healthy_node("a"), _series("up", instance="b", job="sglang-prefill"): "1x600",
@@ -211,3 +210,18 @@ def test_the_scenarios_fail_when_an_alert_is_broken(tmp_path: Path, alert: str, 
     result = _run_unit_tests(mutated, tmp_path)
     assert result.returncode != 0, f"promtool's test passed with {alert} broken ({mutation})"
     assert alert in result.stdout + result.stderr
+
+
+def test_every_decision_the_rules_count_is_primed_at_start_up() -> None:
+    """An alert on a decision's increase sees its first occurrence only when the sample existed at 0 before:
+    every guard and decision the rules count is one the start-up primes (compat/runtime.py WATCHED_DECISIONS)."""
+    from sglang_harden.compat.runtime import WATCHED_DECISIONS
+
+    counted = set()
+    for expr in (rule["expr"] for rule in alert_rules.rules() if DECISIONS in rule["expr"]):
+        guards = re.search(r'guard=~"([^"]+)"', expr)
+        decisions = re.search(r'decision=~"([^"]+)"', expr)
+        assert guards and decisions, expr
+        counted |= {(guard, decision.removesuffix("_logged"))
+                    for guard in guards.group(1).split("|") for decision in decisions.group(1).split("|")}
+    assert counted == {(guard, verdict.value) for guard, verdict in WATCHED_DECISIONS.items()}
