@@ -114,6 +114,7 @@ E2E_GROUP_MINUTES = {
     "test_patched_lifecycle_e2e": 1.9,
     "test_gpu_semantics_e2e": 1.8,
     "test_tools_e2e": 0.9,
+    "test_images_e2e": 2.5,
     "test_digest_e2e": 5.0,
     "test_incident": 3.0,
     "test_guards_v049": 5.0,

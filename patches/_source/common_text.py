@@ -5,6 +5,8 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+from series_text import series_stamp, server_info_edits
+
 EMBED_MARK = "# ---- embedded in the backport series from here on\n"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,7 +45,7 @@ def with_bundle(name: str, provided: tuple[str, ...]) -> str:
     return text.replace(marks[0] + "\n", bundle(paths, provided))
 
 
-PD_AUTH = with_bundle("pd_auth.py", ("StrEnum",))
+PD_AUTH = with_bundle("pd_auth.py", ("StrEnum",)).replace("# <series stamp>\n", series_stamp())
 
 def _internals() -> ModuleType:
     """sglang-harden's one description of SGLang's names (``compat/internals.py``), loaded by path: the series
@@ -196,6 +198,9 @@ SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE on every prefill and decode process:
 The wire format (sgh2) and the code are the sglang-harden plugin's: patched and plugin nodes of a
 deployment interoperate. SGLANG_HARDEN_BOOTSTRAP_AUTH_ACCEPT_SGH1=1 also accepts the older sgh1 tokens
 (no Host binding) while a fleet rolls out.
+The module also carries the series' settings check (SGLANG_HARDEN_MODE; a name no sglang-harden reads
+refuses to start), the sglang-harden release that generated the series, logged at start, exported as
+sglang_harden_build_info on /metrics and added to the scheduler's /server_info state (sglang_harden).
 
 Why: anyone who reaches the bootstrap port can otherwise register as a rank for a room (and receive or
 redirect another tenant's KV), or post and read rejection notices. No SGLang release authenticates it.
@@ -303,7 +308,8 @@ CAPACITY_METHOD = '''    def _check_kv_pool_holds_context(self) -> None:
         context_len = self.model_config.context_len
         if self.max_total_num_tokens >= context_len:
             return
-        mode = os.environ.get("SGLANG_HARDEN_CAPACITY", "enforce").strip().lower()
+        mode = (os.environ.get("SGLANG_HARDEN_CAPACITY", "").strip().lower()
+                or os.environ.get("SGLANG_HARDEN_MODE", "").strip().lower() or "enforce")
         message = (
             f"KV pool too small for the configured context: the pool holds "
             f"{self.max_total_num_tokens} tokens, context_len={context_len}, so prompts over "
@@ -337,6 +343,9 @@ DECODE_NOTIFY_ABORT = '''                # sglang-harden backport: a room prefil
 '''
 
 
+SERVER_INFO_EDITS = server_info_edits(SCHED)
+
+
 def auth_edits() -> list:
     """The authentication patch (0.5.x): the new module, the signing client, the checking server."""
     return [
@@ -355,6 +364,7 @@ def auth_edits() -> list:
          "from typing import Any, Dict, List, Optional, Tuple\n\n"
          "from sglang.srt.disaggregation.common import pd_auth\n"),
         *REJECTION_CLIENT_EDITS,
+        *SERVER_INFO_EDITS,
     ]
 
 

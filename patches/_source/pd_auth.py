@@ -30,6 +30,9 @@ Env (of every SGLang process of the deployment, prefill and decode):
   SGLANG_HARDEN_BOOTSTRAP_AUTHORITIES       other names of this bootstrap server (host:port, *:port or *, comma-
                                             separated): DNS aliases, a Service in front of it
   SGLANG_HARDEN_BOOTSTRAP_AUTH_ACCEPT_SGH1  1: also accept sgh1 tokens (no Host binding) while a fleet rolls out
+  SGLANG_HARDEN_MODE                        log | enforce: the default of every switch of the series (with a
+                                            secret file, of this one too); a switch's own variable overrides it
+Any other SGLANG_HARDEN_* name that no sglang-harden reads (a typo) refuses to start, naming the nearest one.
 No secret file: nothing is signed or checked and a WARNING says the control plane is unauthenticated.
 ``enforce`` asked for without a secret file, or an unusable setting or secret file: importing this module raises
 ``ConfigurationError`` (the server refuses to start).
@@ -51,6 +54,15 @@ ENV_MODE = "SGLANG_HARDEN_BOOTSTRAP_AUTH"
 ENV_MAX_AGE = "SGLANG_HARDEN_BOOTSTRAP_AUTH_MAX_AGE_S"
 ENV_AUTHORITIES = "SGLANG_HARDEN_BOOTSTRAP_AUTHORITIES"
 ENV_ACCEPT_SGH1 = "SGLANG_HARDEN_BOOTSTRAP_AUTH_ACCEPT_SGH1"
+# Every SGLANG_HARDEN_* variable the series reads (docs/deploy.md lists the same; a test compares them).
+SERIES_SETTINGS = frozenset({
+    "SGLANG_HARDEN_MODE", ENV_SECRET_FILE, ENV_MODE, ENV_MAX_AGE, ENV_AUTHORITIES, ENV_ACCEPT_SGH1,
+    "SGLANG_HARDEN_ZMQ_AUTH", "SGLANG_HARDEN_ZMQ_SIGN", "SGLANG_HARDEN_SIDE_CHANNELS", "SGLANG_HARDEN_CAPACITY",
+    "SGLANG_HARDEN_LIFECYCLE", "SGLANG_HARDEN_TRANSFER_WRITE_LIFETIME_S", "SGLANG_HARDEN_QUARANTINE_CAP_PAGES",
+    "SGLANG_HARDEN_CHECKSUM", "SGLANG_HARDEN_CHECKSUM_WAIT_MS", "SGLANG_HARDEN_CANARY", "SGLANG_HARDEN_PAGE_TAGS",
+})
+SETTING_PREFIX, TESTBED_PREFIX = "SGLANG_HARDEN_", "SGLANG_HARDEN_TESTBED_"
+# <series stamp>
 
 
 class ConfigurationError(RuntimeError):
@@ -107,9 +119,32 @@ def _flag(name: str) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
+def check_settings(environ: Any) -> None:
+    """Refuse to start on an SGLANG_HARDEN_* variable no sglang-harden reads (a typo), naming the nearest known
+    name; say once which plugin settings are set that the series does not read (they change nothing here)."""
+    import difflib
+
+    unknown, plugin_only = [], []
+    suffixes = sorted({name[len(SETTING_PREFIX):] for name in SERIES_SETTINGS} | PLUGIN_SETTING_SUFFIXES)
+    for name in sorted(environ):
+        if not name.startswith(SETTING_PREFIX) or name in SERIES_SETTINGS or name.startswith(TESTBED_PREFIX):
+            continue
+        if name[len(SETTING_PREFIX):] in PLUGIN_SETTING_SUFFIXES:
+            plugin_only.append(name)
+            continue
+        nearest = difflib.get_close_matches(name[len(SETTING_PREFIX):], suffixes, n=1, cutoff=0.6)
+        unknown.append(name + (f" (did you mean {SETTING_PREFIX}{nearest[0]}?)" if nearest else ""))
+    if unknown:
+        raise ConfigurationError("unknown setting " + ", ".join(unknown) + ": the backport series reads "
+                                 + ", ".join(sorted(SERIES_SETTINGS)))
+    if plugin_only:
+        logger.info("pd_auth: set but not read by the backport series (plugin settings): %s", ", ".join(plugin_only))
+
+
 def _load() -> Optional[Authenticator]:
-    mode = os.environ.get(ENV_MODE, "").strip().lower()
     path = os.environ.get(ENV_SECRET_FILE, "").strip()
+    # SGLANG_HARDEN_MODE applies where a secret makes authentication possible (as in the plugin)
+    mode = os.environ.get(ENV_MODE, "").strip().lower() or (series_rollout_mode() if path else "")
     if mode and mode not in MODES:
         raise ConfigurationError(f"{ENV_MODE}={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "off":
@@ -139,8 +174,68 @@ def _load() -> Optional[Authenticator]:
     return authenticator
 
 
+# the switches that take a mode; the patches without one (admission, retirement, coverage, notices) always enforce
+MODE_SWITCHES = ("SGLANG_HARDEN_CANARY", "SGLANG_HARDEN_PAGE_TAGS", "SGLANG_HARDEN_CHECKSUM", "SGLANG_HARDEN_LIFECYCLE",
+                 "SGLANG_HARDEN_SIDE_CHANNELS")
+
+
+def zmq_auth_mode(authenticator: Optional[Authenticator]) -> str:
+    """The side channels' authentication as pd_side_channels decides it: ``unauthenticated`` without a secret."""
+    if authenticator is None:
+        return "unauthenticated"
+    return os.environ.get("SGLANG_HARDEN_ZMQ_AUTH", "").strip().lower() or series_rollout_mode() or "enforce"
+
+
+def build_info_labels(authenticator: Optional[Authenticator]) -> Dict[str, str]:
+    """The plugin's ``sglang_harden_build_info`` labels for this process of a patched tree: the series' release,
+    SGLang's, family ``patched``, role ``scheduler`` (which side is not known here) and the rollout mode as the
+    plugin sums it up (``enforce``/``log`` when every guard is in it, else ``mixed``)."""
+    import importlib.metadata
+
+    modes = {"enforce"} | {mode_from_env(name) for name in MODE_SWITCHES}
+    if authenticator is not None:  # both authentication switches count only with a secret, as in the plugin
+        modes.add(authenticator.mode)
+        modes.add(zmq_auth_mode(authenticator))
+    modes.discard("off")
+    try:
+        pin = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        pin = "unknown"
+    return {"version": SERIES_VERSION, "pin": pin, "family": "patched", "role": "scheduler",
+            "mode": modes.pop() if len(modes) == 1 else "mixed"}
+
+
+def publish_build_info(labels: Dict[str, str]) -> None:
+    """``sglang_harden_build_info{...} 1`` on ``/metrics`` as the plugin exports it, from the processes SGLang started
+    for metrics (its schedulers: ``PROMETHEUS_MULTIPROC_DIR`` set). Elsewhere nothing: prometheus_client picks
+    where its samples go when it is first imported, and SGLang's main process imports this module before it sets
+    that variable (an import here would keep the main process's own metrics off ``/metrics``). Metrics never stop
+    a start."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    try:
+        import prometheus_client
+
+        gauge = prometheus_client.Gauge("sglang_harden_build_info",
+                                        "sglang-harden version, SGLang pin and rollout mode of this process",
+                                        labelnames=tuple(labels), multiprocess_mode="max")
+        gauge.labels(**labels).set(1)
+    except Exception as exc:  # noqa: BLE001 - evidence only
+        logger.info("pd_auth: no sglang_harden_build_info on /metrics here: %s", exc)
+
+
+def server_info_block() -> Dict[str, Any]:
+    """The scheduler's ``sglang_harden`` block on ``/server_info`` (the plugin's keys a patched tree has)."""
+    return {**build_info_labels(AUTH), "series": True,
+            "control_plane_auth": "unauthenticated" if AUTH is None else AUTH.mode,
+            "side_channel_auth": zmq_auth_mode(AUTH)}
+
+
+check_settings(os.environ)
+logger.info("pd_auth: backport series %s of sglang-harden", SERIES_VERSION)
 AUTH = _load()
 SIGNER = CurrentSigner(lambda: AUTH)
+publish_build_info(build_info_labels(AUTH))
 
 
 def headers(method: str, authority: str, target: str, body: Any) -> Dict[str, str]:
@@ -189,3 +284,11 @@ def protect(app: Any, host: Optional[str], port: Optional[int]) -> None:
 def signing(requests_module: Any) -> Any:
     """``requests`` itself when the control plane is unauthenticated, else a signing, answer-checking proxy."""
     return SigningRequests(requests_module, SIGNER) if AUTH is not None else requests_module
+
+
+if __name__ == "__main__":  # python3 -m sglang.srt.disaggregation.common.pd_auth --version
+    import sys
+
+    if sys.argv[1:] != ["--version"]:
+        sys.exit("usage: python3 -m sglang.srt.disaggregation.common.pd_auth --version")
+    print(f"sglang-harden backport series {SERIES_VERSION}")

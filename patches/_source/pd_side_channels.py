@@ -117,7 +117,7 @@ def _auth_mode() -> Mode:
             raise pd_auth.ConfigurationError(f"{AUTH_ENV}=enforce needs the control-plane secret: set "
                                              f"{pd_auth.ENV_SECRET_FILE} (and leave {pd_auth.ENV_MODE} on)")
         return Mode.OFF
-    return Mode(raw or Mode.ENFORCE.value)
+    return Mode(raw or series_rollout_mode() or Mode.ENFORCE.value)
 
 
 def _sign_from_env() -> bool:

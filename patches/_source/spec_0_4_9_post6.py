@@ -220,6 +220,7 @@ def auth_patch_049() -> tuple[str, str, list]:
          "        pd_auth.protect(self.app, None, self.port)\n"),
         *[edit for edit in auth_edits() if edit[0] == NEWMOD],
         (MOONCAKE, AUTH_STATUS_ANCHOR, AUTH_STATUS_AGAIN),
+        *SERVER_INFO_EDITS,
     ])
 
 

@@ -10,20 +10,30 @@ annotations) and ``promtool`` (``scripts/fetch_promtool.sh``).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
+import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sglang_harden.tools.audit import LABEL_RE, SAMPLE_RE
 
 RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "sglang-harden-rules.yml"
 SCRAPE_JOB = "sglang"  # the rules take jobs named sglang* for SGLang servers
 COUNTED_AT_MINUTE = 20  # a scraped counter's value appears at this minute (0 before): its increase is news then
 SAMPLES = 600
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+# The alerts on a counter of decisions: (alert, guards, decisions, severity).
+COUNTER_ALERTS = (
+    ("SGLangHardenAuthRefusals", ("bootstrap_auth", "zmq_auth"), ("reject", "reject_logged"), "warning"),
+    ("SGLangHardenIntegrityAbort", ("checksum", "canary", "page_tags", "coverage"), ("abort", "abort_logged"),
+     "critical"),
+)
+# SGLangHardenNotEnforcing waits 7 days: judged on hourly samples, after 8 days.
+WEEK_INTERVAL, WEEK_EVAL_MINUTES = "1h", 8 * 24 * 60
+DECISIONS = "sglang_harden_guard_decisions_total"
+BUILD_INFO = "sglang_harden_build_info"
 
 
 @dataclass
@@ -68,13 +78,13 @@ def series_from_scrapes(before: str | None, after: str, instance: str, job: str 
 def _samples(exposition: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     samples = {}
     for line in exposition.splitlines():
-        match = _SAMPLE.match(line)
+        match = SAMPLE_RE.match(line)
         if match is None or line.startswith("#"):
             continue
         name = match.group("name")
         if not name.startswith("sglang_harden_") or name.endswith("_created"):
             continue
-        labels = tuple(sorted(_LABEL.findall(match.group("labels") or "")))
+        labels = tuple(sorted(LABEL_RE.findall(match.group("labels") or "")))
         samples[(name, labels)] = float(match.group("value"))
     return samples
 
@@ -107,3 +117,73 @@ def run(scenarios: list[Scenario], work_dir: Path, rules_file: Path = RULES_FILE
         path.write_text(json.dumps(_unit_tests(rules_file, chosen, interval), indent=1))  # JSON is YAML
         files.append(str(path))
     return subprocess.run([tool, "test", "rules", *files], capture_output=True, text=True, timeout=120, check=False)
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    """A server's ``/metrics`` page."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
+        return str(response.read().decode())
+
+
+@dataclass
+class NodeJudgement:
+    """What the rules said over some real nodes, and what each node's own samples call for."""
+
+    result: subprocess.CompletedProcess[str]
+    expected: dict[str, list[dict[str, str]]]
+
+    @property
+    def ok(self) -> bool:
+        return self.result.returncode == 0
+
+
+def expected_alerts(instance: str, before: str | None, after: str) -> dict[str, list[dict[str, str]]]:
+    """The alerts one node's two scrapes call for, read off its own samples: each counter alert where a decision
+    of its guards grew between the scrapes; QuarantineNearCap where a scheduler holds 80 % of its cap;
+    GuardsNotArmed / NotEnforcing where the build info says mode ``none`` / ``log`` or ``mixed``; Missing where
+    there is no build info."""
+    first, last = _samples(before or ""), _samples(after)
+    expected: dict[str, list[dict[str, str]]] = {alert: [] for alert, *_ in COUNTER_ALERTS}
+    grown: set[tuple[str, str]] = set()
+    for (name, labels), value in last.items():
+        pairs = dict(labels)
+        if name == DECISIONS and value > first.get((name, labels), 0.0):
+            grown.add((pairs.get("guard", ""), pairs.get("decision", "")))
+    for alert, guards, decisions, severity in COUNTER_ALERTS:
+        expected[alert] = [{"instance": instance, "guard": guard, "decision": decision, "severity": severity}
+                           for guard, decision in sorted(grown) if guard in guards and decision in decisions]
+    quarantined = {dict(labels).get("pid"): value for (name, labels), value in last.items()
+                   if name == "sglang_harden_quarantined_pages"}
+    caps = {dict(labels).get("pid"): value for (name, labels), value in last.items()
+            if name == "sglang_harden_quarantine_cap_pages"}
+    near = any(cap > 0 and quarantined.get(pid, 0.0) / cap >= 0.8 for pid, cap in caps.items())
+    expected["SGLangHardenQuarantineNearCap"] = [{"instance": instance, "severity": "warning"}] if near else []
+    builds = {labels: value for (name, labels), value in last.items() if name == BUILD_INFO and value == 1}
+    unarmed = {(dict(labels)["role"], dict(labels)["pin"]) for labels in builds if dict(labels)["mode"] == "none"}
+    expected["SGLangHardenGuardsNotArmed"] = [{"instance": instance, "role": role, "pin": pin, "severity": "critical"}
+                                              for role, pin in sorted(unarmed)]
+    lenient = {(dict(labels)["role"], dict(labels)["mode"]) for labels in builds
+               if dict(labels)["mode"] in ("log", "mixed")}
+    expected["SGLangHardenNotEnforcing"] = [{"instance": instance, "role": role, "mode": mode, "severity": "info"}
+                                            for role, mode in sorted(lenient)]
+    expected["SGLangHardenMissing"] = [] if builds else [{"instance": instance, "severity": "critical"}]
+    return expected
+
+
+def judge_nodes(scrapes: Mapping[str, tuple[str | None, str]], work_dir: Path) -> NodeJudgement:
+    """Every alert of the rules over real nodes (``{instance: (first scrape or None, last scrape)}``), each expected
+    exactly where :func:`expected_alerts` says: the NotEnforcing week on hourly samples, the rest on minutes."""
+    series: dict[str, str] = {}
+    expected: dict[str, list[dict[str, str]]] = {}
+    for instance, (before, after) in sorted(scrapes.items()):
+        series.update(series_from_scrapes(before, after, instance))
+        for alert, labels in expected_alerts(instance, before, after).items():
+            expected.setdefault(alert, []).extend(labels)
+    week = "SGLangHardenNotEnforcing"
+    minutes = {alert: labels for alert, labels in expected.items() if alert != week}
+    scenarios = [
+        Scenario("real nodes", series, COUNTED_AT_MINUTE + 5, minutes, checked=frozenset(minutes)),
+        Scenario("real nodes, a week on", series, WEEK_EVAL_MINUTES, {week: expected[week]}, interval=WEEK_INTERVAL,
+                 checked=frozenset({week})),
+    ]
+    return NodeJudgement(run(scenarios, work_dir), expected)

@@ -49,7 +49,9 @@ class PDPair:
         log_dir: Path | None = None,
         startup_timeout: float = 600.0,
         progress: bool = False,
+        python: Path | None = None,
     ) -> None:
+        """``python``: the interpreter both servers run (default: the pin's venv), e.g. a built image's."""
         self.pin = pin
         self.profile = profile or default_profile()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"sglang-harden-pd-{pin}-"))
@@ -62,6 +64,7 @@ class PDPair:
             launcher_module=launcher_module,
             log_dir=self.log_dir,
             startup_timeout=startup_timeout,
+            python=python,
         )
         self.prefill = Server(
             pin,

@@ -13,12 +13,12 @@ SHIMS_DIR = Path(__file__).resolve().parent / "shims"
 # installed in the pin's venv (whose .pth start-up hook and plugin entry point are still what arm it) is older.
 CHECKOUT = Path(__file__).resolve().parents[2]
 # Variables of the calling environment that must not leak into a pin's interpreter.
-_DROP = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTEST_CURRENT_TEST")
+INTERPRETER_LEAKS = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTEST_CURRENT_TEST")
 
 
 def testbed_env(recipe: PinRecipe, extra: Mapping[str, str] | None = None, shims: bool = True) -> dict[str, str]:
     """os.environ minus interpreter leaks, plus the pin's server env, the shims and ``extra`` (wins)."""
-    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env = {k: v for k, v in os.environ.items() if k not in INTERPRETER_LEAKS}
     env.update(recipe.server_env)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["SGLANG_HARDEN_TESTBED_PIN"] = recipe.pin

@@ -176,11 +176,12 @@ class Server(_Process):
         log_dir: Path | None = None,
         startup_timeout: float = 600.0,
         name: str | None = None,
+        python: Path | None = None,
     ) -> None:
         super().__init__()
         self.pin, self.role = pin, role
         self.recipe: PinRecipe = get_recipe(pin)
-        self.python = require_env(pin)
+        self.python = python or require_env(pin)
         self.model_path = model_path or build_tiny_model(pin)
         self.max_total_tokens, self.context_length = max_total_tokens, context_length
         self.transfer_backend = transfer_backend
@@ -352,7 +353,7 @@ class Server(_Process):
         if "total" in numbers:
             numbers["full"] = numbers["available"] + numbers["evictable"] >= numbers["total"]
         harden = states[0].get("sglang_harden")
-        if isinstance(harden, dict):  # hardened server: its page-lifecycle report rides along
+        if isinstance(harden, dict) and not harden.get("series"):  # the plugin's report (a series names only itself)
             numbers["harden_lifecycle"] = harden.get("lifecycle")
         return numbers
 

@@ -34,6 +34,9 @@ PATCHES_ENV = "SGLANG_HARDEN_PATCHES"
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 _TARGET_RE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
 _SUBJECT_PREFIX_RE = re.compile(r"^\[PATCH[^\]]*\]\s*")
+# The module every series adds, which carries the release of sglang-harden that generated the series.
+SERIES_STAMP_FILE = "sglang/srt/disaggregation/common/pd_auth.py"
+_STAMP_RE = re.compile(r"""^\+?SERIES_VERSION = ['"]([^'"]+)['"]""", re.M)
 
 
 class PatchError(Exception):
@@ -58,6 +61,8 @@ class Report:
     pin: str | None
     tree: str | None = None
     tree_version: str | None = None
+    series_version: str | None = None  # the sglang-harden release that generated the series used
+    tree_series_version: str | None = None  # ... the one the tree carries
     ok: bool = True
     message: str = ""
     patches: list[dict[str, object]] = field(default_factory=list)
@@ -221,12 +226,16 @@ def apply_series(tree: Path, pin: str, patches_dir: Path | None = None) -> Repor
     tree = Path(tree)
     _require_tree(tree)
     patches = load_series(pin, patches_dir or default_patches_dir())
-    report = Report("apply", pin, str(tree), check_version(tree, pin))
+    report = Report("apply", pin, str(tree), check_version(tree, pin), series_stamp(patches))
     state = verify_tree(tree, patches)
     if all(s["applied"] for s in state):
         report.message = f"already applied: all {len(patches)} patches of {pin} are in {tree}"
         report.patches = [{**s, "result": "already applied"} for s in state]
         return report
+    carried, shipped = tree_series_stamp(tree), series_stamp(patches)
+    if carried not in (None, shipped):
+        raise PatchError(f"{tree} carries the series of sglang-harden {carried}, this series is sglang-harden "
+                         f"{shipped}'s: start from a clean {pin} tree", EXIT_REJECT)
     if any(s["applied"] for s in state):
         have = ", ".join(str(s["patch"]) for s in state if s["applied"])
         raise PatchError(f"{tree} is partly patched ({have}); start from a clean {pin} tree", EXIT_REJECT)
@@ -245,6 +254,22 @@ def apply_series(tree: Path, pin: str, patches_dir: Path | None = None) -> Repor
     return report
 
 
+def series_stamp(patches: Iterable[Patch]) -> str | None:
+    """The sglang-harden release that generated a series (its stamp in the module every series adds)."""
+    for patch in patches:
+        if SERIES_STAMP_FILE in patch.targets:
+            found = _STAMP_RE.search(patch.path.read_text())
+            return found.group(1) if found else None
+    return None
+
+
+def tree_series_stamp(tree: Path) -> str | None:
+    """The stamp a patched tree carries (None: no series, or one generated before series were stamped)."""
+    path = Path(tree) / SERIES_STAMP_FILE
+    found = _STAMP_RE.search(path.read_text()) if path.is_file() else None
+    return found.group(1) if found else None
+
+
 def verify_series(tree: Path, pin: str | None = None, patches_dir: Path | None = None) -> Report:
     tree = Path(tree)
     _require_tree(tree)
@@ -253,16 +278,21 @@ def verify_series(tree: Path, pin: str | None = None, patches_dir: Path | None =
     if pin is None:
         raise PatchError(f"cannot read the SGLang version of {tree}; pass --pin", EXIT_USAGE)
     patches = load_series(pin, patches_dir or default_patches_dir())
-    report = Report("verify", pin, str(tree), found)
+    report = Report("verify", pin, str(tree), found, series_stamp(patches), tree_series_stamp(tree))
     report.patches = verify_tree(tree, patches)
     missing = [str(p["patch"]) for p in report.patches if not p["applied"]]
-    report.ok = not missing and found == pin
+    other_series = report.tree_series_version not in (None, report.series_version)
+    report.ok = not missing and found == pin and not other_series
     if found != pin:
         report.message = f"tree is SGLang {found}, series is for {pin}"
+    elif other_series:
+        report.message = (f"the tree carries the series of sglang-harden {report.tree_series_version}, this series "
+                          f"is sglang-harden {report.series_version}'s: apply it to an unpatched copy of SGLang {pin}")
     elif missing:
         report.message = f"{len(missing)} of {len(patches)} patches missing: {', '.join(missing)}"
     else:
-        report.message = f"all {len(patches)} patches of {pin} present"
+        report.message = (f"all {len(patches)} patches of {pin} present (the series of sglang-harden "
+                          f"{report.series_version})")
     return report
 
 

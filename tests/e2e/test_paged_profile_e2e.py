@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 
+from sglang_harden.testbed import alert_rules
 from sglang_harden.testbed.client import PairResult, generate, greedy_body
 from sglang_harden.testbed.envs import load_pins
 from sglang_harden.testbed.incident import (
@@ -107,10 +108,13 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
     """Warm-up + the A/B rounds on a fresh pair (stopped again). Vanilla stops after the first round decode did
     not serve (0.5.21+: decode sits out its waiting timeout each time; once is enough)."""
     pair = start_incident_pair(pin, hardened=hardened, setup=SETUP, log_dir=log_dir, transfer_backend=backend,
-                               extra_env=FAULT_ENV, harden_env=HARDEN_ENV, profile=PROFILE, progress=True)
+                               extra_env=FAULT_ENV, harden_env=HARDEN_ENV, profile=PROFILE, progress=True,
+                               flags=["--enable-metrics"])
     rounds: list[RoundResult] = []
     repeats: list[PairResult] = []
     try:
+        first_scrapes = {role: alert_rules.scrape(server.url) for role, server in
+                         (("prefill", pair.prefill), ("decode", pair.decode))}
         args = {role: _serving_args(server.server_info()) for role, server in
                 (("prefill", pair.prefill), ("decode", pair.decode))}
         for index, seed in enumerate((SETUP.warmup_seed, *SETUP.a_seeds)):
@@ -133,6 +137,8 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
         table = pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
                               timeout=SETUP.waiting_timeout_s + 120)
         table_decisions = pair.decode.harden_decisions() if hardened else {}
+        scrapes = {role: (first_scrapes[role], alert_rules.scrape(server.url)) for role, server in
+                   (("prefill", pair.prefill), ("decode", pair.decode))}
     finally:
         pair.stop()
     trace = read_kvtrace(log_dir / "kvtrace")
@@ -140,7 +146,7 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
               for line in path.read_text().splitlines() if line.strip()]
     return {"args": args, "rounds": rounds, "repeats": repeats, "unwritten": unwritten, "decisions": decisions,
             "flip": flip, "before_flip": before_flip, "flip_decisions": decision_delta(before_flip, after_flip),
-            "front_door": door, "orphan": orphan,
+            "front_door": door, "orphan": orphan, "scrapes": scrapes,
             "quiesce": quiesce, "prefill_log": pair.prefill.log_text(), "table": table,
             "table_decisions": decision_delta(decisions, table_decisions),
             "table_fault": [f for f in faults if f.get("event") == "table_fault"],
@@ -342,3 +348,31 @@ def test_room_decode_gave_up_on_before_any_write_is_released_at_once(pin: str, r
     assert orphan["next_elapsed_s"] < NEXT_REQUEST_BOUND_S, orphan
     assert orphan["released_at_timeout"] == [], orphan
     assert orphan["decisions"].get("lifecycle:release", 0) >= 1, orphan
+
+
+def test_alert_rules_fire_on_the_pairs_metrics(runs: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """The fleet's alert rules (deploy/prometheus/) over both pairs' real ``/metrics`` (scraped right after each
+    start and after its last request): the vanilla pair fires SGLangHardenMissing on both nodes and nothing else;
+    the hardened one fires SGLangHardenIntegrityAbort on decode for the canary's and the page tags' aborts and the
+    digest's logged one, and SGLangHardenNotEnforcing a week on (the checksum guard in log mode makes the nodes
+    ``mixed``), and neither SGLangHardenMissing nor SGLangHardenGuardsNotArmed."""
+    if alert_rules.promtool() is None:
+        pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it)")
+    pytest.importorskip("yaml")  # the rules' annotations
+    (tmp_path / "vanilla").mkdir()
+    (tmp_path / "hardened").mkdir()
+    vanilla = alert_rules.judge_nodes(runs["vanilla"]["scrapes"], tmp_path / "vanilla")
+    assert vanilla.expected["SGLangHardenMissing"] == [{"instance": instance, "severity": "critical"}
+                                                       for instance in ("decode", "prefill")]
+    assert not any(labels for alert, labels in vanilla.expected.items() if alert != "SGLangHardenMissing")
+    assert vanilla.ok, vanilla.result.stdout + vanilla.result.stderr
+    hardened = alert_rules.judge_nodes(runs["hardened"]["scrapes"], tmp_path / "hardened")
+    aborts = {(labels["instance"], labels["guard"], labels["decision"])
+              for labels in hardened.expected["SGLangHardenIntegrityAbort"]}
+    assert {("decode", "canary", "abort"), ("decode", "page_tags", "abort"),
+            ("decode", "checksum", "abort_logged")} <= aborts, aborts
+    lenient = hardened.expected["SGLangHardenNotEnforcing"]
+    assert {labels["instance"] for labels in lenient} == {"decode", "prefill"}, lenient
+    assert {labels["mode"] for labels in lenient} == {"mixed"}, lenient
+    assert hardened.expected["SGLangHardenMissing"] == hardened.expected["SGLangHardenGuardsNotArmed"] == []
+    assert hardened.ok, hardened.result.stdout + hardened.result.stderr

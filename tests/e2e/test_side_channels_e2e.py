@@ -345,9 +345,12 @@ def test_side_channel_auth_reported(case: Case) -> None:
             if side.hardened:
                 assert state.get("side_channel_auth") == "enforce", state
                 assert {"zmq_auth", "side_channels"} <= set(state.get("guards", [])), state
+            elif side.kind == "patched":  # the series' block names the series and its authentication, no guards
+                assert state.get("family") == "patched" and state.get("side_channel_auth") == "enforce", state
+                assert "guards" not in state, state
             else:
                 assert state == {}, state
-            if side.kind == "patched":  # the series says it in its log (patched trees export no report)
+            if side.kind == "patched":  # the series says it in its log too
                 log = server.log_text()
                 assert f"pd_side_channels: {role} {case.backend} rank port" in log, (role, log[-2000:])
                 rules = "none on this release" if case.pin in EARLY else "enforce"

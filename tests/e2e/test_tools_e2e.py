@@ -1,7 +1,10 @@
-"""audit against a real CPU PD pair from the testbed (tiny model, Mooncake TCP, loopback): vanilla 0.5.19 with
-symmetric pools and ``--enable-metrics``, where audit finds no sizing problem (``--ignore guards_missing``: vanilla
-has no guards to show), and the fleet's alert rules fire SGLangHardenMissing on both nodes and nothing else (the
-control of ``test_guards_e2e.py::test_alert_rules_fire_on_the_hardened_pairs_metrics``).
+"""audit against a real CPU PD pair from the testbed (tiny model, Mooncake TCP, loopback): 0.5.19 with the plugin
+installed and every guard set to off (what a fleet looks like after a careless rollback), symmetric pools and
+``--enable-metrics``. audit finds no sizing problem, only the unauthenticated control plane and side channels (the
+capacity gate, which has its own switch, still decides, so audit does not call the pair unguarded); the fleet's
+alert rules fire
+SGLangHardenGuardsNotArmed on both nodes and nothing else (its control: every hardened pair the alert cases judge,
+where it stays silent; SGLangHardenMissing's vanilla control is ``test_paged_profile_e2e.py``'s vanilla pair).
 
 The operator tools' other e2e cases run on pairs other modules start anyway (one start fewer each):
 - vanilla 0.5.19, asymmetric pools (the incident's setup): audit flags it; probe fails, naming the probe and the
@@ -13,7 +16,6 @@ The operator tools' other e2e cases run on pairs other modules start anyway (one
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,35 +31,41 @@ PIN = os.environ.get("SGLANG_HARDEN_E2E_PIN", "0.5.19")
 SYMMETRIC = {"prefill_max_total_tokens": 600, "decode_max_total_tokens": 600, "context_length": 512}
 
 
+# Nothing it would refuse: the findings that say so, and the one that says nothing guards the pair
+UNPROTECTED = {"guards_missing", "control_plane_unauthenticated", "side_channels_unauthenticated"}
+
+
 @pytest.fixture(scope="module")
-def vanilla_symmetric(require_pin: Any) -> Iterator[Any]:
+def unguarded_symmetric(require_pin: Any) -> Iterator[Any]:
+    from sglang_harden.config import GUARDS
     from sglang_harden.testbed.pd_topology import PDPair
 
     require_pin(PIN)
     metrics = ["--enable-metrics"]
+    every_guard_off = {"SGLANG_HARDEN_ACTIVATE": "1", **{f"SGLANG_HARDEN_{guard.upper()}": "off" for guard in GUARDS}}
     with PDPair(PIN, progress=True, startup_timeout=900.0, prefill_flags=metrics, decode_flags=metrics,
-                **SYMMETRIC) as pair:
+                env=every_guard_off, **SYMMETRIC) as pair:
         yield pair
 
 
-def test_audit_passes_symmetric_pools(vanilla_symmetric: Any) -> None:
-    pair = vanilla_symmetric
-    code, data = run_tool("audit", pair.prefill.url, pair.decode.url, "--timeout", "20", "--ignore", "guards_missing")
+def test_audit_passes_symmetric_pools(unguarded_symmetric: Any) -> None:
+    pair = unguarded_symmetric
+    ignored = [arg for code in sorted(UNPROTECTED) for arg in ("--ignore", code)]
+    code, data = run_tool("audit", pair.prefill.url, pair.decode.url, "--timeout", "20", *ignored)
     assert code == 0, data
-    assert {f["code"] for f in data["findings"]} == {"guards_missing"}  # vanilla: nothing on /metrics
+    codes = {f["code"] for f in data["findings"]}
+    assert "control_plane_unauthenticated" in codes and codes <= UNPROTECTED, codes  # no sizing finding
 
 
-def test_alert_rules_see_a_vanilla_pair_as_unprotected(vanilla_symmetric: Any, tmp_path: Path) -> None:
+def test_alert_rules_see_an_unguarded_pair(unguarded_symmetric: Any, tmp_path: Path) -> None:
     if alert_rules.promtool() is None:
         pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it)")
     pytest.importorskip("yaml")  # the rules' annotations
-    pair = vanilla_symmetric
-    series: dict[str, str] = {}
-    for instance, node in (("prefill", pair.prefill), ("decode", pair.decode)):
-        with urllib.request.urlopen(node.url + "/metrics", timeout=10) as response:
-            series.update(alert_rules.series_from_scrapes(None, response.read().decode(), instance))
-    assert not any(key.startswith("sglang_harden_") for key in series), sorted(series)
-    missing = [{"instance": instance, "severity": "critical"} for instance in ("decode", "prefill")]
-    scenario = alert_rules.Scenario("vanilla pair", series, 30, {"SGLangHardenMissing": missing})
-    result = alert_rules.run([scenario], tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    pair = unguarded_symmetric
+    scrapes = {role: (None, alert_rules.scrape(node.url)) for role, node in (("prefill", pair.prefill),
+                                                                              ("decode", pair.decode))}
+    judged = alert_rules.judge_nodes(scrapes, tmp_path)
+    unarmed = judged.expected["SGLangHardenGuardsNotArmed"]
+    assert {labels["instance"] for labels in unarmed} == {"decode", "prefill"}, unarmed
+    assert not any(labels for alert, labels in judged.expected.items() if alert != "SGLangHardenGuardsNotArmed")
+    assert judged.ok, judged.result.stdout + judged.result.stderr

@@ -22,7 +22,7 @@ import pytest
 
 from sglang_harden import cli
 from sglang_harden.compat.pins import PATCHED_TREE_MARKER, SUPPORTED_PINS
-from sglang_harden.config import HardenConfig, setting_names
+from sglang_harden.config import TESTBED_PREFIX, HardenConfig, setting_names
 from sglang_harden.tools.audit import FINDING_CODES
 from sglang_harden.tools.patch import available_pins
 
@@ -207,11 +207,25 @@ def test_every_repository_path_and_doc_link_exists() -> None:
     assert not missing, missing
 
 
+def _series_settings(series_text: str) -> set[str]:
+    """The ``SERIES_SETTINGS`` literal of the series' ``pd_auth.py`` (names and ``ENV_*`` constants resolved)."""
+    constants = dict(re.findall(r'^\+(ENV_\w+) = "(SGLANG_HARDEN_\w+)"$', series_text, re.M))
+    block = re.search(r"^\+SERIES_SETTINGS = frozenset\(\{\n(.*?)^\+\}\)", series_text, re.M | re.S)
+    assert block, "no SERIES_SETTINGS in the series' pd_auth.py"
+    return {constants.get(item, item.strip('"')) for item in re.findall(r'"SGLANG_HARDEN_\w+"|ENV_\w+', block.group(1))}
+
+
 def test_the_deploy_doc_names_exactly_the_variables_the_series_read() -> None:
+    """The doc's list is each series' own list of what it reads, and every name the series' code reads is on it
+    (the refusal of unknown names lets exactly these through, besides the plugin's own)."""
     listed = re.search(r"The series reads these variables and no others: (.+?)\. ", DEPLOY_DOC.read_text(), re.S)
     assert listed
-    read = {m for p in (ROOT / "patches").glob("*/*.patch") for m in re.findall(r"SGLANG_HARDEN_\w+", p.read_text())}
-    assert set(re.findall(r"`(SGLANG_HARDEN_\w+)`", listed.group(1))) == read
+    documented = set(re.findall(r"`(SGLANG_HARDEN_\w+)`", listed.group(1)))
+    for series in sorted((ROOT / "patches").glob("*/series")):
+        text = "".join(p.read_text() for p in series.parent.glob("*.patch"))
+        assert _series_settings(text) == documented, series.parent.name
+        read = set(re.findall(r"SGLANG_HARDEN_[A-Z0-9]\w*[A-Z0-9]", text)) - {TESTBED_PREFIX.rstrip("_")}
+        assert read <= documented, (series.parent.name, read - documented)
 
 
 # ---------------------------------------------------------------- pins

@@ -23,9 +23,18 @@ from types import ModuleType
 
 try:
     from sglang_harden._importhook import when_imported
-except ImportError:  # the package is not installed in this interpreter: use the checkout next to us
-    sys.path.append(str(Path(__file__).resolve().parents[3]))
-    from sglang_harden._importhook import when_imported
+except ImportError:
+    # Not installed in this interpreter (a patched image's stand-in): load the checkout's hook module by its
+    # path under a name of its own, so that sglang_harden stays unimportable there, as it is in the image.
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "sglang_harden_testbed_importhook", Path(__file__).resolve().parents[2] / "_importhook.py")
+    assert _spec is not None and _spec.loader is not None
+    _hook = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = _hook
+    _spec.loader.exec_module(_hook)
+    when_imported = _hook.when_imported
 
 SHIMS: dict[str, Callable[[], None]] = {}
 
