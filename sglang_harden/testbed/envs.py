@@ -290,8 +290,16 @@ def _verify_heavy(recipe: PinRecipe, py: str, log: Log) -> None:
     _run([py, "-c", check], log)
 
 
+def venv_site_packages(venv: Path) -> Path:
+    """The site-packages folder of the virtual environment at ``venv``."""
+    found = sorted(venv.glob("lib/python3*/site-packages"))
+    if not found:
+        raise FileNotFoundError(f"no site-packages under {venv}")
+    return found[0]
+
+
 def _site_packages(pin: str) -> Path:
-    return next((venv_dir(pin) / "lib").glob("python3*/site-packages"))
+    return venv_site_packages(venv_dir(pin))
 
 
 def compile_bytecode(pin: str, log: Log, subdir: str | None = None) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_harden.testbed.envs import get_recipe, venv_dir
+from sglang_harden.testbed.envs import get_recipe, venv_dir, venv_site_packages
 from sglang_harden.testbed.procenv import INTERPRETER_LEAKS, SHIMS_DIR
 
 Log = Callable[[str], None]
@@ -84,7 +84,7 @@ class ImageLayer:
 
     @property
     def site_packages(self) -> Path:
-        return _site_packages(self.python.parent.parent)
+        return venv_site_packages(self.python.parent.parent)
 
 
 def parse(text: str) -> Dockerfile:
@@ -137,13 +137,6 @@ def substitute(value: str, variables: Mapping[str, str]) -> str:
     return _VARIABLE.sub(lambda m: variables.get(m.group(1) or m.group(2), ""), value)
 
 
-def _site_packages(venv: Path) -> Path:
-    found = sorted(venv.glob("lib/python3*/site-packages"))
-    if not found:
-        raise ImageBuildError(f"no site-packages under {venv}")
-    return found[0]
-
-
 def official_image_stand_in(pin: str, venv: Path, log: Log) -> None:
     """The CPU stand-in of SGLang's official image of ``pin`` at ``venv`` (see the module docstring)."""
     source = venv_dir(pin)
@@ -151,9 +144,9 @@ def official_image_stand_in(pin: str, venv: Path, log: Log) -> None:
         raise ImageBuildError(f"the build folder {venv.parent} is on another filesystem than {source}: the stand-in "
                               "is made of hard links (build under the same disk, e.g. SGLANG_HARDEN_HOME's)")
     subprocess.run(["cp", "-al", str(source), str(venv)], check=True)
-    site = _site_packages(venv)
+    site = venv_site_packages(venv)
     shutil.rmtree(site / "sglang")
-    shutil.copytree(_site_packages(source) / "sglang", site / "sglang", symlinks=True, copy_function=_own_copy)
+    shutil.copytree(venv_site_packages(source) / "sglang", site / "sglang", symlinks=True, copy_function=_own_copy)
     python = venv / "bin" / "python"
     for command in (
         ["uv", "pip", "uninstall", "--quiet", "--python", str(python), "sglang-harden"],
@@ -291,6 +284,6 @@ def build(dockerfile: Path, pin: str, context: Path, root: Path, build_args: Map
     """Build ``dockerfile``'s image for ``pin`` under ``root`` (a new folder) from ``context``; raises
     ``ImageBuildError`` naming the failing line. ``SGLANG_TREE`` and ``SGLANG_PIN`` default to the stand-in's."""
     root.mkdir(parents=True, exist_ok=False)
-    tree = root / "fs" / "venv" / _site_packages(venv_dir(pin)).relative_to(venv_dir(pin))
+    tree = root / "fs" / "venv" / venv_site_packages(venv_dir(pin)).relative_to(venv_dir(pin))
     arguments = {"SGLANG_PIN": pin, "SGLANG_TREE": str(tree), **(build_args or {})}
     return _Build(pin, context, root, arguments, log).run(parse(dockerfile.read_text()))

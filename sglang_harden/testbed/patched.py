@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from sglang_harden.testbed.envs import require_env
+from sglang_harden.testbed.envs import require_env, venv_site_packages
 from sglang_harden.testbed.procenv import CHECKOUT, SHIMS_DIR
 from sglang_harden.tools import patch as patch_tool
 
@@ -14,11 +14,10 @@ VERSION_FILES = ("sglang/_version.py", "sglang/version.py")
 
 
 def site_packages(pin: str) -> Path:
-    python = require_env(pin)
-    found = sorted(Path(python).parent.parent.glob("lib/python3*/site-packages"))
-    if not found or not (found[0] / "sglang").is_dir():
+    found = venv_site_packages(Path(require_env(pin)).parent.parent)
+    if not (found / "sglang").is_dir():
         raise FileNotFoundError(f"no sglang in the {pin} venv")
-    return found[0]
+    return found
 
 
 def copy_series_files(pin: str, src_root: Path, dest: Path) -> Path:

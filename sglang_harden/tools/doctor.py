@@ -328,6 +328,7 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
     harden = harden_info(version)
     rows = build_rows(natives, harden, launch_args, environ)
     _, config_error = guard_modes(environ)
+    series = series_state(tree.root)
     return {
         "sglang": {
             "root": str(tree.root),
@@ -339,10 +340,10 @@ def report(tree: SourceTree, launch_args: list[str], environ: dict[str, str]) ->
                    "ledger_kernel": ledger_kernel(),
                    "control_plane_auth": _control_plane_state(rows, launch_args, environ),
                    "side_channel_auth": _side_channel_state(rows, launch_args, environ)},
-        "series": series_state(tree.root),
+        "series": series,
         "protections": [_row_json(r) for r in rows],
         "missing": [r.key for r in rows if r.missing],
-        "ok": not any(r.missing for r in rows) and series_state(tree.root).get("current", True),
+        "ok": not any(r.missing for r in rows) and series.get("current", True),
     }
 
 

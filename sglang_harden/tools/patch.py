@@ -29,13 +29,15 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sglang_harden.compat.pins import PATCHED_TREE_MARKER
+
 EXIT_OK, EXIT_MISSING, EXIT_USAGE, EXIT_VERSION, EXIT_REJECT = 0, 1, 2, 3, 4
 PATCHES_ENV = "SGLANG_HARDEN_PATCHES"
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 _TARGET_RE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
 _SUBJECT_PREFIX_RE = re.compile(r"^\[PATCH[^\]]*\]\s*")
 # The module every series adds, which carries the release of sglang-harden that generated the series.
-SERIES_STAMP_FILE = "sglang/srt/disaggregation/common/pd_auth.py"
+SERIES_STAMP_FILE = "/".join(("sglang", *PATCHED_TREE_MARKER))
 _STAMP_RE = re.compile(r"""^\+?SERIES_VERSION = ['"]([^'"]+)['"]""", re.M)
 
 
@@ -232,10 +234,10 @@ def apply_series(tree: Path, pin: str, patches_dir: Path | None = None) -> Repor
         report.message = f"already applied: all {len(patches)} patches of {pin} are in {tree}"
         report.patches = [{**s, "result": "already applied"} for s in state]
         return report
-    carried, shipped = tree_series_stamp(tree), series_stamp(patches)
-    if carried not in (None, shipped):
+    carried = tree_series_stamp(tree)
+    if carried not in (None, report.series_version):
         raise PatchError(f"{tree} carries the series of sglang-harden {carried}, this series is sglang-harden "
-                         f"{shipped}'s: start from a clean {pin} tree", EXIT_REJECT)
+                         f"{report.series_version}'s: start from a clean {pin} tree", EXIT_REJECT)
     if any(s["applied"] for s in state):
         have = ", ".join(str(s["patch"]) for s in state if s["applied"])
         raise PatchError(f"{tree} is partly patched ({have}); start from a clean {pin} tree", EXIT_REJECT)
