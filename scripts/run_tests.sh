@@ -27,7 +27,8 @@ in_process_tests=(tests/integration/test_lifecycle_inprocess.py tests/integratio
   tests/integration/test_digest_inprocess.py tests/integration/test_gpu_semantics_inprocess.py
   tests/integration/test_control_auth_inprocess.py tests/integration/test_drain_acks_inprocess.py
   tests/unit/test_patched_side_channels.py tests/integration/test_zmq_channels_inprocess.py
-  tests/integration/test_wire_fuzz_inprocess.py tests/integration/test_pp_consensus_inprocess.py)
+  tests/integration/test_wire_fuzz_inprocess.py tests/integration/test_pp_consensus_inprocess.py
+  tests/integration/test_model_shapes_inprocess.py)
 patched_auth_tests=(tests/integration/test_patched_auth_inprocess.py)
 torch_tests=(tests/unit/test_digest*.py tests/unit/test_checksum.py tests/unit/test_events_prometheus.py
   tests/unit/test_cudasim.py tests/unit/test_canary.py tests/unit/test_patched_canary.py

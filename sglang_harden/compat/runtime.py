@@ -44,6 +44,8 @@ class Runtime:
     front_answer_watcher: notify.DecodeWatcher | None = None
     # Decode's KV pool (set at its scheduler's start-up), where the canary stamps pages.
     decode_kv_pool: Any = None
+    # The KV shapes this scheduler serves and each armed guard's coverage of them (compat/model_shape.py).
+    model_shape: dict[str, Any] = field(default_factory=dict)
     # Set by the lifecycle adapter on decode: prefill said it never queued a write for (room, bootstrap addr).
     writer_never_started: Callable[[int, str], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)

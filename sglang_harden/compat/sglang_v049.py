@@ -27,6 +27,7 @@ from sglang_harden.compat.internals import (
     SCHEDULER,
     UTILS,
 )
+from sglang_harden.compat.model_shape import shape_gate
 from sglang_harden.compat.runtime import RUNTIME, HardenRefusal
 from sglang_harden.compat.shared import (
     TOKENIZER,
@@ -148,7 +149,7 @@ def _abort_transferred(queue: Any, req: Any, decision: Decision) -> None:
 # ---------------------------------------------------------------- abort notification
 
 
-# ---------------------------------------------------------------- start-up: capacity gate, verification
+# ---------------------------------------------------------------- start-up: shape and capacity gates, verification
 
 
 def _scheduler_started(original: Func) -> Func:
@@ -156,6 +157,7 @@ def _scheduler_started(original: Func) -> Func:
         result = original(self, server_args, port_args, *args, **kwargs)
         role = role_of(self)
         _verify_in_process(role, str(getattr(server_args, "disaggregation_transfer_backend", "")))
+        shape_gate(self, role, ROLES_BY_OWNER)
         capacity_gate(self)
         if role == "prefill":
             RUNTIME.start_publisher(bootstrap_base_url(self))

@@ -303,6 +303,7 @@ def pool_report(scheduler: Any) -> dict[str, Any]:
         "context_len": int(scheduler.model_config.context_len),
         "control_plane_auth": _control_plane_status(),
         "side_channel_auth": _side_channel_status(),
+        "model_shape": RUNTIME.model_shape,
         "decisions": events.snapshot(),
     }
 

@@ -133,9 +133,10 @@ def start_incident_pair(
     harden_env: Mapping[str, str] | None = None,
     profile: Profile | None = None,
     flags: Sequence[str] = (),
+    model_path: Path | None = None,
 ) -> PDPair:
     """Start (and return, started) the asymmetric PD pair of the incident, with the KV tracer on decode;
-    ``flags``: more server arguments for both servers."""
+    ``flags``: more server arguments for both servers; ``model_path``: another model than the tiny Llama."""
     env = {WAITING_TIMEOUT_ENV: str(setup.waiting_timeout_s), **(extra_env or {})}
     if hardened:
         env.update({"SGLANG_HARDEN_ACTIVATE": "1", **(harden_env or {})})
@@ -155,6 +156,7 @@ def start_incident_pair(
         decode_flags=list(flags),
         log_dir=log_dir,
         progress=progress,
+        model_path=model_path,
     )
     return pair.start()
 
@@ -251,6 +253,8 @@ def run_incident(
     harden_env: Mapping[str, str] | None = None,
     progress: Progress | None = None,
     profile: Profile | None = None,
+    flags: Sequence[str] = (),
+    model_path: Path | None = None,
 ) -> dict[str, Any]:
     """Start a fresh incident pair for ``pin`` (vanilla, or hardened through ``sglang_harden.launch_server``
     with ``SGLANG_HARDEN_ACTIVATE=1``), run a warm-up round and the measured rounds, stop the pair, and
@@ -272,6 +276,8 @@ def run_incident(
         harden_env=harden_env,
         progress=progress is not None,
         profile=profile,
+        flags=flags,
+        model_path=model_path,
     )
     try:
         startup_s = time.monotonic() - t0

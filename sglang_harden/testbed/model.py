@@ -1,4 +1,4 @@
-"""A deterministic tiny Llama model for the testbed (no hub access).
+"""The testbed's deterministic tiny models (no hub access): a Llama, and a DeepSeek-V2-shaped MLA model.
 
 Built by the pin's own python and transformers in a subprocess (files written by transformers 5.x do not
 load in 4.x) and cached per transformers major version under ``$SGLANG_HARDEN_HOME/models/``.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from sglang_harden.testbed.envs import EnvError, get_recipe, harden_home, require_env
@@ -70,23 +71,71 @@ def build_tiny_model(pin: str, force: bool = False) -> Path:
     target = model_dir_for(python)
     if (target / "config.json").exists() and not force:
         return target
+    env = testbed_env(get_recipe(pin), {"PYTHONHASHSEED": "0"})
+
+    def build(folder: Path) -> None:
+        proc = subprocess.run([str(python), "-c", _BUILD_SCRIPT, str(folder), str(MAX_POSITIONS)],
+                              capture_output=True, text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise EnvError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
+
+    _build_in_place(target, build)
+    return target
+
+
+# A DeepSeek-V2-shaped model with MLA attention (MLATokenToKVPool), 2 dense layers (first_k_dense_replace = layers:
+# no MoE kernel needed on CPU). kv_lora_rank = qk_nope_head_dim = v_head_dim: the torch_native backend's prefill
+# attends with the latent row as K, which needs the query's width (measured: 32 vs 48 fails at the first extend).
+# The CPU rotary factory takes deepseek_yarn only.
+TINY_MLA_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 2,
+    "moe_layer_freq": 1, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": False, "scoring_func": "softmax",
+    "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "deepseek_yarn", "factor": 1.0, "original_max_position_embeddings": MAX_POSITIONS,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+    "torch_dtype": "bfloat16", "initializer_range": 0.1,
+}
+# The tiny MLA model has no weight file: SGLang's dummy loader fills it, seeded, alike on every server.
+TINY_MLA_FLAGS = ("--load-format", "dummy")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_tiny_mla_model(pin: str) -> Path:
+    """The tiny MLA model for ``pin`` (config and the tiny Llama's tokenizer; serve it with ``TINY_MLA_FLAGS``)."""
+    import json
+
+    llama = build_tiny_model(pin)
+    target = llama.parent / f"tiny-mla-v{MODEL_VERSION}-{llama.name.rpartition('-')[2]}"
+    config = json.dumps(TINY_MLA_CONFIG, indent=1, sort_keys=True)
+    if (target / "config.json").is_file() and (target / "config.json").read_text() == config:
+        return target
+
+    def build(folder: Path) -> None:
+        for name in _TOKENIZER_FILES:
+            if (llama / name).is_file():
+                shutil.copy2(llama / name, folder / name)
+        (folder / "config.json").write_text(config)
+
+    _build_in_place(target, build)
+    return target
+
+
+def _build_in_place(target: Path, build: Callable[[Path], None]) -> None:
+    """Fill a fresh folder beside ``target`` with ``build``, then put it in place of ``target`` (a reader never
+    sees a half-built model; a failed build leaves nothing)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        env = testbed_env(get_recipe(pin), {"PYTHONHASHSEED": "0"})
-        proc = subprocess.run(
-            [str(python), "-c", _BUILD_SCRIPT, str(tmp), str(MAX_POSITIONS)],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise EnvError(f"building the tiny model failed:\n{proc.stderr[-3000:]}")
+        build(tmp)
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target

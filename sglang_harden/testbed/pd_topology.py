@@ -50,8 +50,10 @@ class PDPair:
         startup_timeout: float = 600.0,
         progress: bool = False,
         python: Path | None = None,
+        model_path: Path | None = None,
     ) -> None:
-        """``python``: the interpreter both servers run (default: the pin's venv), e.g. a built image's."""
+        """``python``: the interpreter both servers run (default: the pin's venv), e.g. a built image's;
+        ``model_path``: the model both serve (default: the tiny Llama)."""
         self.pin = pin
         self.profile = profile or default_profile()
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"sglang-harden-pd-{pin}-"))
@@ -65,6 +67,7 @@ class PDPair:
             log_dir=self.log_dir,
             startup_timeout=startup_timeout,
             python=python,
+            model_path=model_path,
         )
         self.prefill = Server(
             pin,
