@@ -50,8 +50,8 @@ def test_the_armed_guards_follow_the_options_the_switches_and_activation() -> No
     armed, _ = armed_guards(["--harden-lifecycle", "off", "--harden-page-tags=off"], {"SGLANG_HARDEN_CANARY": "log"})
     assert "lifecycle" not in armed and "page_tags" not in armed and "canary" in armed
     assert armed_guards([], {"SGLANG_HARDEN_ACTIVATE": "0"})[0] == []
-    armed, why = armed_guards([], {"SGLANG_HARDEN_LIFECYCL": "off"})
-    assert armed == [] and "SGLANG_HARDEN_LIFECYCLE" in why
+    armed, why = armed_guards([], {"SGLANG_HARDEN_PAGE_TAG": "off"})  # mistyped on purpose (test_rollout_settings)
+    assert armed == [] and "SGLANG_HARDEN_PAGE_TAGS" in why
 
 
 def test_a_remote_model_id_is_said_to_be_unread() -> None:
