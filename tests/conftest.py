@@ -107,7 +107,7 @@ E2E_GROUP_MINUTES = {
     "test_side_channels_e2e": 4.2,
     "test_lifecycle_e2e": 4.0,
     "test_capacity_e2e": 4.0,
-    "test_model_shapes_e2e": 2.5,
+    "test_model_shapes_e2e": 5.0,
     "test_mixed_pair_e2e": 2.7,
     "test_fail_closed_e2e": 2.3,
     "test_pool_limit_e2e": 2.2,

@@ -30,7 +30,7 @@ class KVShape(StrValueEnum):
 
 
 class Cover(StrValueEnum):
-    E2E = "e2e"  # shown on real PD pairs (docs/matrix.md)
+    E2E = "e2e"  # shown on real PD pairs (MHA: docs/matrix.md; other shapes: the evidence tests)
     IN_PROCESS = "in-process"  # shown on SGLang's real pool classes in one process
     INDEPENDENT = "independent"  # reads no KV page index or byte: the shape does not reach it
     REFUSED = "refused"  # the node refuses to start with the guard armed on this shape
@@ -40,7 +40,7 @@ class Cover(StrValueEnum):
 class Coverage:
     cover: Cover
     why: str  # how it covers the shape, or why it is refused
-    evidence: tuple[str, ...] = ()  # test node ids that show it (E2E: the matrix's tests)
+    evidence: tuple[str, ...] = ()  # test node ids that show it (MHA's E2E cells: the matrix's tests, not listed)
 
     @property
     def refused(self) -> bool:
@@ -59,11 +59,7 @@ _INDEPENDENT = {
     "side_channels": "restarts the side-channel listeners, whatever the frames carry",
 }
 _MLA_TEST = "tests/integration/test_model_shapes_inprocess.py"
-_MLA_REFUSAL = ("on MLA decode takes each room's KV from one prefill rank; the page ledger's writer and drain "
-                "accounting is not yet shown there (the MLA pair runs the incident, not yet the late-write and "
-                "page-tag cases)")
 _REFUSALS: dict[KVShape, dict[str, str]] = {
-    KVShape.MLA: {"lifecycle": _MLA_REFUSAL, "page_tags": _MLA_REFUSAL},
     KVShape.SPECULATIVE: {
         "lifecycle": "decode allocates the pages of speculative steps outside the ledger's reservations",
         "page_tags": "decode allocates the pages of speculative steps outside the ledger's reservations",
@@ -80,11 +76,24 @@ _REFUSALS: dict[KVShape, dict[str, str]] = {
     KVShape.UNKNOWN_POOL: dict.fromkeys(PAGE_AND_BYTE_GUARDS, "sglang-harden does not read this pool class's "
                                         "buffers or index spaces"),
 }
+_MLA_E2E = "tests/e2e/test_model_shapes_e2e.py"
+_MLA_LATE_WRITE = (f"{_MLA_E2E}::test_vanilla_mla_late_write_corrupts_a_victim",
+                   f"{_MLA_E2E}::test_hardened_mla_late_write_corrupts_no_victim")
 _COVERED: dict[tuple[KVShape, str], Coverage] = {
-    (KVShape.MLA, "canary"): Coverage(Cover.IN_PROCESS, "stamps the first and last latent layer buffer", (
+    (KVShape.MLA, "lifecycle"): Coverage(Cover.E2E, "holds the latent pages a late write may still land on "
+                                         "(the late-write case on the MLA pair)", _MLA_LATE_WRITE),
+    (KVShape.MLA, "page_tags"): Coverage(Cover.E2E, "aborts a first decode over a latent page its request does not "
+                                         "own (a page table pointed at a free page)", (
+        f"{_MLA_E2E}::test_vanilla_mla_pair_reads_a_free_latent_page_its_page_table_points_at",
+        f"{_MLA_E2E}::test_hardened_mla_page_tags_abort_a_latent_page_the_request_does_not_own")),
+    (KVShape.MLA, "canary"): Coverage(Cover.E2E, "stamps the first and last latent layer buffer", (
+        f"{_MLA_E2E}::test_vanilla_mla_pair_decodes_over_a_flipped_bit_and_an_unwritten_page",
+        f"{_MLA_E2E}::test_hardened_mla_canary_aborts_an_unwritten_latent_page",
         f"{_MLA_TEST}::test_mla_canary_passes_a_fully_written_transfer",
         f"{_MLA_TEST}::test_mla_canary_catches_a_page_the_transfer_skipped")),
-    (KVShape.MLA, "checksum"): Coverage(Cover.IN_PROCESS, "digests the latent buffer as one replicated head", (
+    (KVShape.MLA, "checksum"): Coverage(Cover.E2E, "digests the latent buffer as one replicated head", (
+        f"{_MLA_E2E}::test_vanilla_mla_pair_decodes_over_a_flipped_bit_and_an_unwritten_page",
+        f"{_MLA_E2E}::test_hardened_mla_digest_aborts_a_flipped_latent_bit",
         f"{_MLA_TEST}::test_mla_faithful_transfer_compares_equal",
         f"{_MLA_TEST}::test_mla_flipped_bit_aborts",
         f"{_MLA_TEST}::test_mla_row_never_written_aborts")),
@@ -111,9 +120,9 @@ def decide_shapes(shapes: Iterable[KVShape], armed: Iterable[str], detail: str =
     """ALLOW when every armed guard covers (or is independent of) every shape; else REJECT naming each gap and
     the switches. ``detail`` says what the shapes were read from (the pool class, the flags)."""
     shapes, armed = sorted(set(shapes)), sorted(set(armed))
-    gaps = [(shape, guard, coverage(shape, guard)) for shape in shapes for guard in armed
-            if coverage(shape, guard).refused]
-    table = {guard: {shape.value: coverage(shape, guard).cover.value for shape in shapes} for guard in armed}
+    covers = {(shape, guard): coverage(shape, guard) for shape in shapes for guard in armed}
+    gaps = [(shape, guard, c) for (shape, guard), c in covers.items() if c.refused]
+    table = {guard: {shape.value: covers[(shape, guard)].cover.value for shape in shapes} for guard in armed}
     if not gaps:
         return allow(GUARD, shapes=[s.value for s in shapes], guards=table)
     guards_off = sorted({guard for _, guard, _ in gaps})

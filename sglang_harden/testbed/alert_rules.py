@@ -23,6 +23,10 @@ from sglang_harden.tools.audit import LABEL_RE, SAMPLE_RE
 RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "sglang-harden-rules.yml"
 SCRAPE_JOB = "sglang"  # the rules take jobs named sglang* for SGLang servers
 COUNTED_AT_MINUTE = 20  # a scraped counter's value appears at this minute (0 before): its increase is news then
+# the second scrape's values are in force from minute COUNTED_AT_MINUTE + 1: judged 7 minutes on, a condition it
+# brought has held past the rules' 5-minute ``for`` (quarantine near the cap) and the 10-minute increase windows
+# still hold its counters' step (judged 5 minutes on, a quarantine from the second scrape was 4 minutes old: no alert)
+JUDGED_AT_MINUTE = COUNTED_AT_MINUTE + 7
 SAMPLES = 600
 # The alerts on a counter of decisions: (alert, guards, decisions, severity).
 COUNTER_ALERTS = (
@@ -182,7 +186,7 @@ def judge_nodes(scrapes: Mapping[str, tuple[str | None, str]], work_dir: Path) -
     week = "SGLangHardenNotEnforcing"
     minutes = {alert: labels for alert, labels in expected.items() if alert != week}
     scenarios = [
-        Scenario("real nodes", series, COUNTED_AT_MINUTE + 5, minutes, checked=frozenset(minutes)),
+        Scenario("real nodes", series, JUDGED_AT_MINUTE, minutes, checked=frozenset(minutes)),
         Scenario("real nodes, a week on", series, WEEK_EVAL_MINUTES, {week: expected[week]}, interval=WEEK_INTERVAL,
                  checked=frozenset({week})),
     ]

@@ -255,10 +255,13 @@ def run_incident(
     profile: Profile | None = None,
     flags: Sequence[str] = (),
     model_path: Path | None = None,
+    more_requests: Callable[[PDPair], Any] | None = None,
 ) -> dict[str, Any]:
     """Start a fresh incident pair for ``pin`` (vanilla, or hardened through ``sglang_harden.launch_server``
     with ``SGLANG_HARDEN_ACTIVATE=1``), run a warm-up round and the measured rounds, stop the pair, and
-    return a JSON-able summary: B's statuses and output, pages of A read by B, both oracles, a verdict."""
+    return a JSON-able summary: B's statuses and output, pages of A read by B, both oracles, a verdict.
+    ``more_requests``: what else the test sends the pair once both pools were back at quiesce (its answer in the
+    summary's ``more_requests``; not JSON-able unless the callable's answer is)."""
     import tempfile
 
     say = progress or (lambda _msg: None)
@@ -294,6 +297,7 @@ def run_incident(
         front_door = front_door_round(pair, setup)
         say(f"{pin} {variant}: waiting for both allocators to be back to full capacity")
         quiesce = pair.wait_quiesced(timeout=setup.quiesce_timeout_s)
+        more = more_requests(pair) if more_requests is not None else None
     finally:
         t_stop = time.monotonic()
         pair.stop()
@@ -302,6 +306,8 @@ def run_incident(
         pin, variant, warm, rounds, setup, startup_s, stop_s, time.monotonic() - t0, log_dir, transfer_backend
     )
     summary["front_door"] = front_door
+    if more_requests is not None:
+        summary["more_requests"] = more
     summary["pools_at_quiesce"] = quiesce
     summary["pools_full_at_quiesce"] = all(p.get("full") for p in quiesce.values())
     return summary
@@ -360,6 +366,22 @@ def assert_b_refused_at_both_doors(rnd: RoundResult, bound_s: float) -> None:
     assert b.decode.elapsed_s < bound_s, f"decode answered B after {b.decode.elapsed_s:.1f}s"
     assert not b.decode.output_ids
     assert rnd.a_rows_read_by_b == 0
+
+
+def kvfault_events(folder: Path, event: str) -> list[dict[str, Any]]:
+    """The test-only kvfault shim's ``event`` lines in a pair's trace folder."""
+    return [line for line in jsonl.read_folder(folder, "kvfault-") if line.get("event") == event]
+
+
+def table_fault_round(pair: PDPair, room: int, seed: int = 21) -> dict[str, Any]:
+    """One request in ``room``, whose page table the kvfault shim (``table:<room>``) points at a free page before
+    decode commits it: its answer, the fault lines and the KV tracer's first decode step of it (the
+    ``assert_table_fault_read_by_vanilla`` fields). Last on a pair: the pool is inconsistent afterwards."""
+    rid = f"table-fault-{room}"
+    table = pair.generate(greedy_body(tenant_a_prompt(seed, 120), 8, rid=rid), room=room, timeout=240)
+    trace = pair.log_dir / "kvtrace"
+    return {"table": table, "table_fault": kvfault_events(trace, "table_fault"),
+            "table_first_decode": first_decode_event(trace, rid)}
 
 
 def assert_table_fault_read_by_vanilla(vanilla: dict[str, Any], guarded: dict[str, Any]) -> None:

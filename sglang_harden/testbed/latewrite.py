@@ -1,7 +1,7 @@
 """Late-write scenario on a real CPU PD pair: decode gives up on a transfer whose write is still in flight.
 
 Timeline (one fresh pair per pin and variant; Mooncake TCP or NIXL (UCX over TCP) on loopback, ``backend``;
-the tiny model):
+a tiny model, ``LateWriteSetup.model``):
 
 1. warm-up request W (settles the decode pool layout);
 2. request A with a fixed bootstrap room: the test-only ``latewrite`` shim makes prefill's transfer worker
@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sglang_harden.testbed import alert_rules
 from sglang_harden.testbed.client import GenResult, PairResult, greedy_body, http_json, pd_generate
 from sglang_harden.testbed.decisions import quarantined_pages_by_room
 from sglang_harden.testbed.incident import KVTRACE_ENV, read_kvtrace
@@ -52,6 +53,7 @@ from sglang_harden.testbed.latewrite_trace import (
     write_landed,
     write_replayed,
 )
+from sglang_harden.testbed.model import tiny_model
 from sglang_harden.testbed.patched import patched_env
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.profiles import get_profile
@@ -62,6 +64,7 @@ Progress = Callable[[str], None] | None
 
 
 BACKENDS = ("mooncake", "nixl")
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank of a TP-2 server on the CPU testbed
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,13 @@ class LateWriteSetup:
     room_misowned: int = 777_000_002
     # testbed profile (sglang_harden.testbed.profiles): KV page size, radix cache, chunked prefill, early send
     profile: str = "minimal"
+    # the tiny model both servers serve (testbed.model.TINY_MODELS: "mla" is MLATokenToKVPool's latent KV)
+    model: str = "llama"
+    # both servers with --enable-metrics; a hardened run scrapes decode's /metrics after the warm-up and again once
+    # A's pages are in quarantine (``quarantine_scrapes``: the alert rules judged on a real pending late write)
+    scrape_quarantine: bool = False
+    # prefill's --tp-size (2: two prefill ranks write to one decode rank; with MLA only one of them writes)
+    prefill_tp_size: int = 1
 
 
 # Decode pool per KV page size: A's pages (kept in quarantine by a hardened server) plus one victim fit, so a
@@ -162,6 +172,9 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         env["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(setup.prefill_bootstrap_timeout_s)
     if setup.backend not in BACKENDS:
         raise ValueError(f"late-write backend {setup.backend!r}: one of {BACKENDS}")
+    model_path, model_flags = tiny_model(pin, setup.model)
+    flags = (*model_flags, *(("--enable-metrics",) if setup.scrape_quarantine else ()))
+    prefill_tp = ("--tp-size", str(setup.prefill_tp_size)) if setup.prefill_tp_size > 1 else ()
     pair = PDPair(
         pin,
         transfer_backend=setup.backend,
@@ -175,6 +188,10 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         router=router,
         log_dir=log_dir,
         progress=True,
+        prefill_flags=(*flags, *prefill_tp),
+        decode_flags=flags,
+        prefill_env=TP2_ENV if prefill_tp else None,
+        model_path=model_path,
     )
     return pair.start()
 
@@ -221,10 +238,11 @@ def _b_summary(res: GenResult) -> dict[str, Any]:
 
 def run_scenario(
     pair: PDPair, setup: LateWriteSetup, say: Progress = None, land_after_release: bool = False,
-    patched: bool = False,
+    patched: bool = False, scrape_quarantine: bool = False,
 ) -> dict[str, Any]:
     """The timeline above on ``pair``. ``land_after_release``: the write also lands while any victim sent after
-    A's release time decodes (:class:`LandingTrigger`; for hardened servers), not only in one handed A's pages."""
+    A's release time decodes (:class:`LandingTrigger`; for hardened servers), not only in one handed A's pages.
+    ``scrape_quarantine``: decode's /metrics after the warm-up and once A's pages are in quarantine."""
     say = say or (lambda _m: None)
     bport = int(pair.prefill.bootstrap_port or 0)
 
@@ -233,6 +251,7 @@ def run_scenario(
         return pd_generate(pair.prefill.url, pair.decode.url, bport, body, timeout=300)
 
     pd_generate(pair.prefill.url, pair.decode.url, bport, greedy_body(_prompt(5, 40), 4, rid="W0"))
+    first_scrape = alert_rules.scrape(pair.decode.url) if scrape_quarantine else None
     t0 = time.time()
     a_box: dict[str, PairResult] = {}
     body_a = greedy_body(_prompt(1, setup.a_len), 8, rid="A-late")
@@ -248,6 +267,7 @@ def run_scenario(
     time.sleep(setup.abort_after_s)
     abort_status = _abort_on_decode(pair, "A-late")
     say(f"A aborted on decode at +{time.time() - t0:.1f}s (HTTP {abort_status})")
+    scrapes = (first_scrape, _scrape_once_quarantined(pair, setup)) if scrape_quarantine else None
     victims: dict[str, PairResult] = {}
     # A's pages are back in vanilla's free list at the abort (<= 0.5.20) or after the release timeout (0.5.21+)
     trigger = LandingTrigger(pair.log_dir, time.time() + setup.release_timeout_s + 0.5, land_after_release)
@@ -287,7 +307,18 @@ def run_scenario(
         "pool": pool,
         "abort_status": abort_status,
         "misowned": misowned,
+        "quarantine_scrapes": scrapes,
     }
+
+
+def _scrape_once_quarantined(pair: PDPair, setup: LateWriteSetup) -> str | None:
+    """Decode's /metrics as soon as it holds pages in quarantine (None: it held none within the release window)."""
+    deadline = time.time() + setup.release_timeout_s + 5.0
+    while time.time() < deadline:
+        if int((pair.decode.pool().get("harden_lifecycle") or {}).get("quarantined_pages") or 0):
+            return alert_rules.scrape(pair.decode.url)
+        time.sleep(0.2)
+    return None
 
 
 def judge(run: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
@@ -377,13 +408,14 @@ def run_late_write(
     pair = start_pair(pin, hardened, setup, log_dir, tree=tree)
     try:
         run = run_scenario(pair, setup, say, land_after_release=hardened or tree is not None,
-                           patched=tree is not None)
+                           patched=tree is not None, scrape_quarantine=setup.scrape_quarantine and hardened)
     finally:
         pair.stop()
     run.update(decode_log=pair.decode.log_text(), room_a=setup.room_a)
     result = judge(run, log_dir / "kvtrace")
     result.update(
         {
+            "quarantine_scrapes": run["quarantine_scrapes"],
             "pin": pin,
             "backend": setup.backend,
             "variant": "patched" if tree is not None else "hardened" if hardened else "vanilla",
@@ -397,6 +429,21 @@ def run_late_write(
          f", late write never landed ({result['late_writes_attempted']} attempted, "
          f"{result['late_writes_failed']} failed)")
     return result
+
+
+def vanilla_harmed(res: dict[str, Any]) -> bool:
+    """The control's harm: A's write landed (a successful status) and changed rows of a victim's prompt KV while it
+    decoded."""
+    return res["late_writes_landed"] >= 1 and res["context_rows_changed"] > 0 and res["corrupted_requests"] >= 1
+
+
+def brief(res: dict[str, Any]) -> str:
+    """What a failed assertion needs to be diagnosed from CI output alone (pytest cuts long dict reprs)."""
+    keys = ("late_writes_attempted", "late_writes_landed", "late_writes_failed", "late_write_t_rel",
+            "late_write_triggered_by", "late_write_trigger_reason", "victims", "corrupted_requests",
+            "context_rows_changed", "a_decode_pages", "a_pages_quarantined", "handed_a_pages_before_write_landed",
+            "tracer_gaps", "pages_back_at_quiesce", "decode_pool", "log_dir", "attempts")
+    return json.dumps({k: res.get(k) for k in keys}, default=str)
 
 
 def collect_report(

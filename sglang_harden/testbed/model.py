@@ -126,6 +126,18 @@ def build_tiny_mla_model(pin: str) -> Path:
     return target
 
 
+TINY_MODELS = ("llama", "mla")
+
+
+def tiny_model(pin: str, model: str) -> tuple[Path, tuple[str, ...]]:
+    """The folder of one of the ``TINY_MODELS`` for ``pin`` and the server arguments it is served with."""
+    if model == "llama":
+        return build_tiny_model(pin), ()
+    if model == "mla":
+        return build_tiny_mla_model(pin), TINY_MLA_FLAGS
+    raise ValueError(f"tiny model {model!r}: one of {TINY_MODELS}")
+
+
 def _build_in_place(target: Path, build: Callable[[Path], None]) -> None:
     """Fill a fresh folder beside ``target`` with ``build``, then put it in place of ``target`` (a reader never
     sees a half-built model; a failed build leaves nothing)."""

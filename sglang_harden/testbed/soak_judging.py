@@ -96,6 +96,7 @@ def summarize(outcomes: list[Outcome], samples: list[dict[str, Any]], wall_s: fl
         "ttft_p99_s": percentile([o.ttft_s for o in ok if o.ttft_s is not None], 99),
         "quarantine_max_pages": max(quarantine, default=0),
         "quarantine_max_share": round(max(quarantine, default=0) / decode_pages, 4),
+        "quarantine_bound_pages": load.quarantine_bound_pages(decode_pages, page_size),
     }
 
 
@@ -154,10 +155,10 @@ class SoakReport:
                 out.append(f"{by[bad]} request(s) {bad}")
         if self.summary["refused_over_bound"]:
             out.append(f"{self.summary['refused_over_bound']} refusal(s) slower than the bound")
-        bound = float(self.load.get("quarantine_bound_share", SoakLoad.quarantine_bound_share))
-        if self.summary["quarantine_max_share"] > bound:
+        bound = int(self.summary["quarantine_bound_pages"])
+        if self.summary["quarantine_max_pages"] > bound:
             out.append(f"quarantine peaked at {self.summary['quarantine_max_pages']} pages"
-                       f" ({self.summary['quarantine_max_share']:.2%} of a decode pool; bound {bound:.0%})")
+                       f" ({self.summary['quarantine_max_share']:.2%} of a decode pool; bound {bound} pages)")
         for role, q in self.quiesce.items():
             if q["leaked_tokens"] is None:
                 out.append(f"{role}: pool not readable at quiesce (server down?): leaks and double frees unchecked")
@@ -165,6 +166,8 @@ class SoakReport:
                 out.append(f"{role}: {q['leaked_tokens']} token(s) of KV not back at quiesce")
             if q["double_frees"]:
                 out.append(f"{role}: {q['double_frees']} page(s) freed twice")
+            if q.get("quarantined_pages"):
+                out.append(f"{role}: {q['quarantined_pages']} page(s) still in quarantine at quiesce")
         return out
 
     def control_fired(self) -> bool:

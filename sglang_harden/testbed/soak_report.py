@@ -93,8 +93,9 @@ def render(reports: list[SoakReport], ratios: dict[str, float | None] | None) ->
         ("decode told of refusal p50/max (s)",
          lambda r: f"{_fmt(r.notify_latency.get('p50_s'))}/{_fmt(r.notify_latency.get('max_s'))}"),
         ("late writes landed on a victim", _landings),
-        ("quarantine max (pages, share)",
-         lambda r: f"{r.summary['quarantine_max_pages']} ({r.summary['quarantine_max_share']:.2%})"),
+        ("quarantine max (pages, share; bound)",
+         lambda r: f"{r.summary['quarantine_max_pages']} ({r.summary['quarantine_max_share']:.2%};"
+                   f" {r.summary.get('quarantine_bound_pages', '-')})"),
         ("leaked at quiesce (tokens p/d)", lambda r: _per_role(r.quiesce, "leaked_tokens")),
         ("double frees (p/d)", lambda r: _per_role(r.quiesce, "double_frees")),
         ("throughput (tok/s)", lambda r: _fmt(r.summary["throughput_tokens_per_s"])),

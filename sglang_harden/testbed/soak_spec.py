@@ -45,7 +45,8 @@ class SoakLoad:
     abort_burst_every_s: float = 15.0
     abort_burst_size: int = 3
     refused_bound_s: float = 5.0
-    # pages a decode may hold in quarantine at once, as a share of its pool
+    # pages a decode may hold in quarantine at once, as a share of its pool (never under what the requests aborted
+    # at once can own: see ``quarantine_bound_pages``)
     quarantine_bound_share: float = 0.02
     request_timeout_s: float = 120.0
     quiesce_timeout_s: float = 60.0
@@ -54,6 +55,21 @@ class SoakLoad:
     # every this many seconds, a caller without the control-plane secret sends forged control requests to every
     # prefill bootstrap port (an abort notice for a room in flight, a digest, reads of the feed and route table)
     forged_control_every_s: float = 0.0
+
+    def largest_request_pages(self, page_size: int) -> int:
+        """Pages the longest request this load sends owns at its end (prompt and every new token)."""
+        tokens = self.prefix_len + self.suffix_len[1] + self.new_tokens[1]
+        return -(-tokens // max(1, page_size))
+
+    def quarantine_bound_pages(self, decode_pages: int, page_size: int) -> int:
+        """The most pages a decode may hold in quarantine at one time in a run of this load: the share of its pool,
+        or, where that is less, the pages of the requests that can be aborted with a transfer in flight at once
+        (one abort burst, one client's disconnect, every late write), each at the load's longest. Quarantine keeps
+        an aborted request's pages whole until its writer drains, so on a small pool one aborted request is over the
+        share (CI's 128-page decode: one of 12 pages is 9.4%)."""
+        share = int(self.quarantine_bound_share * decode_pages)
+        aborted_at_once = self.abort_burst_size + 1 + self.late_writes
+        return max(share, aborted_at_once * self.largest_request_pages(page_size))
 
     def late_rooms(self) -> list[int]:
         return [LATE_ROOM_BASE + i for i in range(self.late_writes)]

@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sglang_harden.config import ACTIVATE_ENV, GUARDS, ConfigError, Mode, flag_to_env, load_config
+from sglang_harden.config import ACTIVATE_ENV, GUARDS, ConfigError, Mode, load_config
 from sglang_harden.guards.model_shape import KVShape, decide_shapes
+from sglang_harden.launch_server import split_harden_args
 
 _LINEAR_LAYER_WORDS = ("mamba", "linear_attention", "linear", "ssm")
 
@@ -79,14 +80,8 @@ def armed_guards(args: list[str], environ: dict[str, str]) -> tuple[list[str], s
     ``SGLANG_HARDEN_*`` variables), or ``([], why)`` when the plugin stays off or the settings are unusable."""
     if environ.get(ACTIVATE_ENV, "").strip() == "0":
         return [], f"{ACTIVATE_ENV}=0: the plugin is off"
-    merged = dict(environ)
     try:
-        for i, arg in enumerate(args):
-            if arg.startswith("--harden-"):
-                flag, _, value = arg.partition("=")
-                name, setting = flag_to_env(flag, value or (args[i + 1] if i + 1 < len(args) else ""))
-                merged[name] = setting
-        config = load_config(merged)
+        config = load_config({**environ, **split_harden_args(args)[0]})
     except ConfigError as exc:
         return [], f"settings unusable: {exc}"
     return [g for g in GUARDS if config.mode(g) is not Mode.OFF], ""

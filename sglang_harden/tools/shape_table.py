@@ -45,8 +45,8 @@ def _table() -> tuple[list[str], dict[str, int]]:
 
 def document() -> str:
     lines, footnotes = _table()
-    evidence = sorted({(guard, shape.value, c.evidence) for guard, row in shape_table(TABLE_GUARDS)
-                       for shape, c in row.items() if c.cover is Cover.IN_PROCESS})
+    evidence = sorted({(guard, shape.value, c.cover.value, c.evidence) for guard, row in shape_table(TABLE_GUARDS)
+                       for shape, c in row.items() if c.evidence})
     return "\n".join([
         "# Model shapes: what each guard covers",
         "",
@@ -60,9 +60,10 @@ def document() -> str:
         "The backport series do not carry this gate yet: a patched tree serving a shape refused below runs those",
         "guards over part of its KV: turn them off there (the same `SGLANG_HARDEN_<GUARD>=off` switches).",
         "",
-        "**e2e**: shown on real PD pairs (docs/matrix.md). **in-process**: shown on SGLang's real pool classes in one",
-        "process (the tests below; no PD pair of that shape runs on the CPU testbed). **independent**: the guard reads",
-        "no KV page index or byte, so the shape does not reach it. **refused**: the node does not start with it armed.",
+        "**e2e**: shown on real PD pairs (docs/matrix.md; beyond mha, the tests below). **in-process**: shown on",
+        "SGLang's real pool classes in one process (the tests below; no PD pair of that shape runs on the CPU",
+        "testbed). **independent**: the guard reads no KV page index or byte, so the shape does not reach it.",
+        "**refused**: the node does not start with it armed.",
         "",
         *lines,
         "",
@@ -74,16 +75,24 @@ def document() -> str:
         "",
         *[f"- `{shape.value}`: {SHAPE_NOTES[shape]}" for shape in KVShape],
         "",
-        "In-process evidence:",
+        "Evidence beyond the e2e suite's shape (mha: docs/matrix.md):",
         "",
-        *[f"- {guard} on {shape}: " + ", ".join(f"`{e}`" for e in tests) for guard, shape, tests in evidence],
+        *[f"- {guard} on {shape} ({cover}): " + ", ".join(f"`{e}`" for e in tests)
+          for guard, shape, cover, tests in evidence],
         "",
         "End to end: the tiny MLA model (`testbed/model.py`, a DeepSeek-V2 shape) serves PD pairs on the CPU testbed",
-        "(`tests/e2e/test_model_shapes_e2e.py`: the incident, vanilla against hardened, and the gate's refusal). No",
-        "speculative-decoding pair runs here: on CPU every algorithm calls `sgl_kernel` CPU operators (EAGLE's",
-        "`verify_tree_greedy_cpu`, `fill_accept_out_cache_loc_cpu`; NGRAM's `sgl_kernel.speculative`) that the",
-        "testbed's CPU install lacks (measured on 0.5.23: NGRAM fails importing its worker); SWA, Mamba and DP",
-        "attention are not yet tried here.",
+        "(`tests/e2e/test_model_shapes_e2e.py`, vanilla against hardened in each test: the incident, a flipped latent",
+        "bit, an unwritten latent page, a late write). The gate's refusal is shown in process: no refused shape serves",
+        "on the CPU testbed. No speculative-decoding pair runs here: on CPU every algorithm calls `sgl_kernel` CPU",
+        "operators (EAGLE's `verify_tree_greedy_cpu`, `fill_accept_out_cache_loc_cpu`; NGRAM's",
+        "`sgl_kernel.speculative`) that the testbed's CPU install lacks (measured on 0.5.23: NGRAM fails importing",
+        "its worker); SWA, Mamba and DP attention are not yet tried here.",
+        "",
+        "Not shown on MLA: a prefill with more attention-TP ranks than its decode peer. There only one prefill rank",
+        "sends a room's latent KV (SGLang marks the others dummy), while decode's lifecycle expects a drain ack from",
+        "every target rank; should a dummy rank never acknowledge, an aborted room's pages stay in quarantine (no",
+        "foreign read, but capacity held: the quarantine cap and `SGLangHardenQuarantineNearCap` show it). The CPU",
+        "testbed's MLA pair runs attention TP 1 on both sides (a TP-2 MLA prefill failed there in `torch.compile`).",
         "",
     ])
 

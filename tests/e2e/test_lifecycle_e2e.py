@@ -27,7 +27,6 @@ One pair runs at a time and is always stopped (``run_late_write``).
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.latewrite import late_write_cases, run_late_write, setup_for
+from sglang_harden.testbed.latewrite import brief, late_write_cases, run_late_write, setup_for, vanilla_harmed
 
 pytestmark = pytest.mark.e2e
 
@@ -58,7 +57,7 @@ def results(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     root: Path = tmp_path_factory.mktemp(f"latewrite-{version}-{backend}-{profile}")
     setup = setup_for(profile, backend)
     results = {v: run_late_write(version, v == "hardened", root / v, setup) for v in ("vanilla", "hardened")}
-    if not _vanilla_harmed(results["vanilla"]):
+    if not vanilla_harmed(results["vanilla"]):
         # On a host loaded enough that pairs boot in 4 minutes, no victim may be handed A's pages before the
         # shim's delay ends and the write lands on its own: one more try.
         results["vanilla"] = {**run_late_write(version, False, root / "vanilla-retry", setup), "attempts": 2}
@@ -70,36 +69,23 @@ def results(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     return results
 
 
-def _vanilla_harmed(res: dict[str, Any]) -> bool:
-    return res["late_writes_landed"] >= 1 and res["context_rows_changed"] > 0 and res["corrupted_requests"] >= 1
-
-
 def test_vanilla_late_write_corrupts_a_later_request(results: dict[str, dict[str, Any]]) -> None:
     """The control: A's write landed (a successful status, not only replayed) and changed rows of a victim's
     prompt KV while it decoded."""
     res = results["vanilla"]
-    assert res["late_writes_landed"] >= 1, _brief(res)
-    assert res["context_rows_changed"] > 0, _brief(res)
-    assert res["corrupted_requests"] >= 1, _brief(res)
-
-
-def _brief(res: dict[str, Any]) -> str:
-    """What a failed assertion needs to be diagnosed from CI output alone (pytest cuts long dict reprs)."""
-    keys = ("late_writes_attempted", "late_writes_landed", "late_writes_failed", "late_write_t_rel",
-            "late_write_triggered_by", "late_write_trigger_reason", "victims", "corrupted_requests",
-            "context_rows_changed", "a_pages_quarantined", "handed_a_pages_before_write_landed", "tracer_gaps",
-            "pages_back_at_quiesce", "decode_pool", "log_dir", "attempts")
-    return json.dumps({k: res.get(k) for k in keys}, default=str)
+    assert res["late_writes_landed"] >= 1, brief(res)
+    assert res["context_rows_changed"] > 0, brief(res)
+    assert res["corrupted_requests"] >= 1, brief(res)
 
 
 @pytest.mark.proves("plugin", "lifecycle", control="test_vanilla_late_write_corrupts_a_later_request")
 def test_hardened_no_corruption_and_pages_back(results: dict[str, dict[str, Any]]) -> None:
     res = results["hardened"]
-    assert res["late_writes_attempted"] >= 1, _brief(res)  # the fault fired: "0 corrupted" is not vacuous
-    assert res["late_writes_landed"] >= 1, _brief(res)
-    assert res["served_requests"] >= 1, _brief(res)
-    assert res["corrupted_requests"] == 0, _brief(res)
-    assert res["pages_back_at_quiesce"], _brief(res)
+    assert res["late_writes_attempted"] >= 1, brief(res)  # the fault fired: "0 corrupted" is not vacuous
+    assert res["late_writes_landed"] >= 1, brief(res)
+    assert res["served_requests"] >= 1, brief(res)
+    assert res["corrupted_requests"] == 0, brief(res)
+    assert res["pages_back_at_quiesce"], brief(res)
 
 
 def test_hardened_oracles_saw_what_they_judge(results: dict[str, dict[str, Any]]) -> None:
@@ -107,10 +93,10 @@ def test_hardened_oracles_saw_what_they_judge(results: dict[str, dict[str, Any]]
     victim decoded (rule named), no victim was handed one of A's pages before the write landed, and the KV
     tracer judged every served victim (a missing ``context_rows_changed`` is a gap, not a clean row)."""
     res = results["hardened"]
-    assert res["a_decode_pages"] and res["a_pages_quarantined"] >= len(res["a_decode_pages"]), _brief(res)
-    assert res["late_write_trigger_reason"] == "sent after A's release", _brief(res)
-    assert res["handed_a_pages_before_write_landed"] == [], _brief(res)
-    assert res["tracer_gaps"] == [], _brief(res)
+    assert res["a_decode_pages"] and res["a_pages_quarantined"] >= len(res["a_decode_pages"]), brief(res)
+    assert res["late_write_trigger_reason"] == "sent after A's release", brief(res)
+    assert res["handed_a_pages_before_write_landed"] == [], brief(res)
+    assert res["tracer_gaps"] == [], brief(res)
     lifecycle = res["decode_pool"]["lifecycle"]
     assert lifecycle["quarantined_pages"] == 0, lifecycle
 

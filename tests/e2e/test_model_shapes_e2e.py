@@ -5,37 +5,67 @@ The incident's pair (tests/e2e/test_incident.py's sizes, Mooncake, torch_native 
 
 - vanilla: what the pin does with the incident on any model (ci/pins.toml ``incident``): on a "leak" pin B is served
   and its first decode step reads the latent rows A left (the KV tracer reads MLA's latent buffers);
-- hardened with the defaults: each scheduler reads its pool (MLA), finds guards armed for its role that do not cover
-  it (lifecycle; on decode page tags too) and the node refuses to start, naming them and their switches;
-- hardened with those two off (the switch the refusal names): A is served with the canary and the digest armed on the
-  latent buffers, B is refused at both doors, decode hears of it at once, /server_info shows the shape and each
-  guard's cover, both pools are full after.
+- hardened with the defaults (every guard armed: each scheduler reads its pool, MLA, and the model-shape gate finds
+  every armed guard covering it): A is served with the canary and the digest armed on the latent buffers, B is
+  refused at both doors, decode hears of it at once, /server_info shows the shape and each guard's cover, both pools
+  are full after.
+
+After the incident's rounds both pairs get two broken transfers (the test-only ``kvfault`` shim): one bit of one
+received latent row flipped before decode commits (room ``FLIP_ROOM``), and a 137-page send that leaves out its last
+page and reports success (the incident's stale page). Vanilla decodes over both; hardened, the digest aborts the
+first and the canary the second, before any decode step.
+
+The late write on the MLA pair (``testbed/latewrite.py``'s scenario and oracles, paged16 profile, Mooncake), vanilla
+and hardened in the same test module: vanilla's freed latent pages go to a victim and A's late write changes the
+victim's latent rows while it decodes; hardened holds A's pages in quarantine until the write landed (0 corrupted
+victims, every page back at quiesce) and aborts the request whose page was deliberately mis-owned (page tags). These
+are the evidence of the lifecycle and page-tag cells of the MLA column (guards/model_shape.py). The gate's refusal of
+a shape an armed guard does not cover is shown in process (tests/integration/test_model_shapes_inprocess.py): no
+refused shape serves on the CPU testbed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sglang_harden.testbed import alert_rules
+from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import (
+    KVTRACE_ENV,
     IncidentSetup,
+    assert_table_fault_read_by_vanilla,
     front_door_round,
+    kvfault_events,
     run_incident,
     run_round,
     start_incident_pair,
+    table_fault_round,
+    tenant_a_prompt,
 )
+from sglang_harden.testbed.latewrite import brief, run_late_write, setup_for, vanilla_harmed
 from sglang_harden.testbed.model import TINY_MLA_FLAGS, build_tiny_mla_model
-from sglang_harden.testbed.server import ServerError
+from sglang_harden.testbed.soak_judging import decision_delta
 
 pytestmark = pytest.mark.e2e
 
 RECIPES = load_pins()
 SETUP = IncidentSetup(a_seeds=(1, 2))
-UNCOVERED_ON_MLA = {"SGLANG_HARDEN_LIFECYCLE": "off", "SGLANG_HARDEN_PAGE_TAGS": "off"}
+# A's pages (150 prompt + 8 new tokens, pages of 16: 10) held in quarantine are 83% of a cap two pages larger
+# (admission stays open under the cap), so the fleet's quarantine alert is judged on the hardened decode's real
+# /metrics as well
+_PAGED = setup_for("paged16", "mooncake")
+A_PAGES = -(-(_PAGED.a_len + 8) // 16)
+LATE_WRITE = dataclasses.replace(_PAGED, model="mla", scrape_quarantine=True, quarantine_cap_pages=A_PAGES + 2)
+FLIP_ROOM = 7_100_001
+TABLE_ROOM = 7_100_002
+UNWRITTEN_LEN = 137  # page size 1: a send of exactly 137 pages (no other request here sends as many) loses its last
+FAULT_ENV = {"SGLANG_HARDEN_TESTBED_KV_FAULT": f"flip:{FLIP_ROOM},unwritten:{UNWRITTEN_LEN},table:{TABLE_ROOM}"}
 HARDEN_ENV = {"SGLANG_HARDEN_CAPACITY": "log"}  # the incident's prefill pool is smaller than its context
 
 
@@ -52,24 +82,59 @@ def mla(pin: str) -> Path:
 
 @pytest.fixture(scope="module")
 def vanilla(pin: str, mla: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_incident(pin, setup=SETUP, log_dir=tmp_path_factory.mktemp(f"mla-vanilla-{pin}"),
-                        flags=TINY_MLA_FLAGS, model_path=mla)
+    log_dir = tmp_path_factory.mktemp(f"mla-vanilla-{pin}")
+    return run_incident(pin, setup=SETUP, log_dir=log_dir, flags=TINY_MLA_FLAGS, model_path=mla,
+                        extra_env=_fault_env(log_dir), more_requests=_every_fault)
 
 
 @pytest.fixture(scope="module")
 def covered(pin: str, mla: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The hardened pair with the guards that cover MLA: one round, the front door, /server_info, pools after."""
-    pair = start_incident_pair(pin, hardened=True, setup=SETUP, log_dir=tmp_path_factory.mktemp(f"mla-covered-{pin}"),
-                               harden_env={**HARDEN_ENV, **UNCOVERED_ON_MLA}, flags=TINY_MLA_FLAGS, model_path=mla)
+    """The hardened pair, every guard armed: one round, the front door, the byte faults, /server_info, pools after,
+    and the page-table fault last (it leaves the pool inconsistent)."""
+    log_dir = tmp_path_factory.mktemp(f"mla-covered-{pin}")
+    pair = start_incident_pair(pin, hardened=True, setup=SETUP, log_dir=log_dir, harden_env=HARDEN_ENV,
+                               flags=TINY_MLA_FLAGS, model_path=mla, extra_env=_fault_env(log_dir))
     try:
         round_ = run_round(pair, 1, 1, SETUP)
         front_door = front_door_round(pair, SETUP)
+        faults = _byte_faults(pair)
         shapes = {role: _harden_state(server)["model_shape"] for role, server in
                   (("prefill", pair.prefill), ("decode", pair.decode))}
         quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
+        faults["table"] = _table_fault(pair)
     finally:
         pair.stop()
-    return {"round": round_, "front_door": front_door, "shapes": shapes, "quiesce": quiesce}
+    return {"round": round_, "front_door": front_door, "shapes": shapes, "quiesce": quiesce, "faults": faults}
+
+
+def _fault_env(log_dir: Path) -> dict[str, str]:
+    """The faults, and the trace folder for prefill too (the pair gives it to decode): the shim notes there each
+    unwritten page prefill's send left out."""
+    return {**FAULT_ENV, KVTRACE_ENV: str(log_dir / "kvtrace")}
+
+
+def _byte_faults(pair: Any) -> dict[str, Any]:
+    """The flipped latent bit, then the unwritten page: each answer (its summary), decode's decision counts it added
+    (none: vanilla) and the shim's lines saying the fault was made."""
+    out: dict[str, Any] = {}
+    for name, body, room in (("flip", greedy_body(tenant_a_prompt(31, 120), 8, rid="mla-flipped-bit"), FLIP_ROOM),
+                             ("unwritten", greedy_body(tenant_a_prompt(9, UNWRITTEN_LEN), 8, rid="mla-unwritten"),
+                              None)):
+        before = pair.decode.harden_decisions()
+        result = pair.generate(body, room=room, timeout=SETUP.waiting_timeout_s + 120)
+        out[name] = {"decode": result.decode.summary(), "made": kvfault_events(pair.log_dir / "kvtrace", name),
+                     "decisions": decision_delta(before, pair.decode.harden_decisions())}
+    return out
+
+
+def _table_fault(pair: Any) -> dict[str, Any]:
+    before = pair.decode.harden_decisions()
+    table = table_fault_round(pair, TABLE_ROOM)
+    return {**table, "decisions": decision_delta(before, pair.decode.harden_decisions())}
+
+
+def _every_fault(pair: Any) -> dict[str, Any]:
+    return {**_byte_faults(pair), "table": _table_fault(pair)}
 
 
 def _harden_state(server: Any) -> dict[str, Any]:
@@ -85,18 +150,6 @@ def test_vanilla_mla_pair_does_what_its_pin_does_with_the_incident(pin: str, van
     else:
         assert vanilla["b_prefill_status"] == 400 and vanilla["b_status"] != 200, json.dumps(vanilla)[:2000]
         assert vanilla["verdict"].startswith("rejected; decode held"), vanilla["verdict"]
-
-
-def test_hardened_mla_node_with_uncovered_guards_refuses_to_start(pin: str, mla: Path, tmp_path: Path) -> None:
-    with pytest.raises(ServerError):
-        start_incident_pair(pin, hardened=True, setup=SETUP, log_dir=tmp_path, harden_env=HARDEN_ENV,
-                            flags=TINY_MLA_FLAGS, model_path=mla)  # stops both servers before it raises
-    logs = "".join(path.read_text(errors="replace") for path in tmp_path.glob("*.log"))
-    assert ("sglang-harden model-shape gate: refusing to start: this model's KV shape (mla; pool MLATokenToKVPool)"
-            in logs), logs[-3000:]
-    assert "lifecycle on mla" in logs and "page_tags on mla" in logs
-    assert "SGLANG_HARDEN_LIFECYCLE=off SGLANG_HARDEN_PAGE_TAGS=off" in logs
-    assert "canary on mla" not in logs and "checksum on mla" not in logs
 
 
 @pytest.mark.proves("plugin", "admission", control="test_vanilla_mla_pair_does_what_its_pin_does_with_the_incident")
@@ -115,9 +168,108 @@ def test_hardened_mla_pair_reports_its_shape_and_covers(covered: dict[str, Any])
     for role, shape in covered["shapes"].items():
         assert shape["shapes"] == ["mla"] and shape["read_from"] == ["pool MLATokenToKVPool"], (role, shape)
         guards = shape["guards"]  # the armed guards that run in the role
-        assert "lifecycle" not in guards and "page_tags" not in guards, (role, guards)
-        assert guards["checksum"] == {"mla": "in-process"}, (role, guards)
+        assert guards["lifecycle"] == {"mla": "e2e"}, (role, guards)
+        assert guards["checksum"] == {"mla": "e2e"}, (role, guards)
         assert guards["admission"] == guards["coverage"] == {"mla": "independent"}, (role, guards)
-    assert covered["shapes"]["decode"]["guards"]["canary"] == {"mla": "in-process"}
-    assert "canary" not in covered["shapes"]["prefill"]["guards"]  # decode's guard
+    assert covered["shapes"]["decode"]["guards"]["canary"] == {"mla": "e2e"}
+    assert covered["shapes"]["decode"]["guards"]["page_tags"] == {"mla": "e2e"}
+    assert "canary" not in covered["shapes"]["prefill"]["guards"]  # decode's guards
+    assert "page_tags" not in covered["shapes"]["prefill"]["guards"]
     assert all(p.get("full") for p in covered["quiesce"].values()), covered["quiesce"]
+
+
+def test_vanilla_mla_pair_decodes_over_a_flipped_bit_and_an_unwritten_page(vanilla: dict[str, Any]) -> None:
+    faults = vanilla["more_requests"]
+    assert [e["rid"] for e in faults["flip"]["made"]] == ["mla-flipped-bit"], faults["flip"]
+    assert len(faults["unwritten"]["made"]) == 1 and faults["unwritten"]["made"][0]["pages"] == UNWRITTEN_LEN, \
+        faults["unwritten"]
+    for name in ("flip", "unwritten"):
+        decode = faults[name]["decode"]
+        assert decode["status"] == 200 and decode["output_ids"], (name, decode)
+
+
+@pytest.mark.proves("plugin", "checksum",
+                    control="test_vanilla_mla_pair_decodes_over_a_flipped_bit_and_an_unwritten_page")
+def test_hardened_mla_digest_aborts_a_flipped_latent_bit(covered: dict[str, Any]) -> None:
+    fault = covered["faults"]["flip"]
+    assert [e["rid"] for e in fault["made"]] == ["mla-flipped-bit"], fault
+    assert fault["decode"]["status"] >= 400 and not fault["decode"]["output_ids"], fault["decode"]
+    assert fault["decisions"].get("checksum:abort") == 1, fault["decisions"]
+
+
+@pytest.mark.proves("plugin", "canary",
+                    control="test_vanilla_mla_pair_decodes_over_a_flipped_bit_and_an_unwritten_page")
+def test_hardened_mla_canary_aborts_an_unwritten_latent_page(covered: dict[str, Any]) -> None:
+    fault = covered["faults"]["unwritten"]
+    assert len(fault["made"]) == 1, fault
+    assert fault["decode"]["status"] >= 400 and not fault["decode"]["output_ids"], fault["decode"]
+    assert "reserved KV pages were never written by its transfer" in (fault["decode"]["error"] or "")
+    assert fault["decisions"].get("canary:abort") == 1, fault["decisions"]
+
+
+def test_vanilla_mla_pair_reads_a_free_latent_page_its_page_table_points_at(
+    vanilla: dict[str, Any], covered: dict[str, Any],
+) -> None:
+    """The kvfault ``table`` fault made once on each pair; vanilla decoded over the free page, reading latent rows
+    another request left there."""
+    assert_table_fault_read_by_vanilla(vanilla["more_requests"]["table"], covered["faults"]["table"])
+
+
+@pytest.mark.proves("plugin", "page_tags",
+                    control="test_vanilla_mla_pair_reads_a_free_latent_page_its_page_table_points_at")
+def test_hardened_mla_page_tags_abort_a_latent_page_the_request_does_not_own(covered: dict[str, Any]) -> None:
+    fault = covered["faults"]["table"]
+    assert len(fault["table_fault"]) == 1, fault["table_fault"]
+    decode = fault["table"].decode
+    assert decode.status == 500 and not decode.output_ids, decode.summary()
+    assert "page ownership check failed" in decode.error_message(), decode.summary()
+    assert fault["decisions"].get("page_tags:abort") == 1, fault["decisions"]
+    assert fault["table_first_decode"] is None, fault["table_first_decode"]
+
+
+@pytest.fixture(scope="module")
+def late_write(pin: str, mla: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp(f"mla-latewrite-{pin}")
+    results = {v: run_late_write(pin, v == "hardened", root / v, LATE_WRITE) for v in ("vanilla", "hardened")}
+    if not vanilla_harmed(results["vanilla"]):  # a loaded host may let the write land before a victim is handed
+        results["vanilla"] = {**run_late_write(pin, False, root / "vanilla-retry", LATE_WRITE), "attempts": 2}
+    return results
+
+
+def test_vanilla_mla_late_write_corrupts_a_victim(late_write: dict[str, dict[str, Any]]) -> None:
+    res = late_write["vanilla"]
+    assert vanilla_harmed(res), brief(res)
+
+
+@pytest.mark.proves("plugin", "lifecycle", control="test_vanilla_mla_late_write_corrupts_a_victim")
+def test_hardened_mla_late_write_corrupts_no_victim(late_write: dict[str, dict[str, Any]]) -> None:
+    """The write fired and landed while a victim sent after A's release decoded; no victim was handed A's latent
+    pages before it landed, none was corrupted, the tracer judged each, every page came back and none is left in
+    quarantine; the request whose page the test hook mis-owned in the ledger was aborted (page tags)."""
+    res = late_write["hardened"]
+    assert res["late_writes_landed"] >= 1 and res["served_requests"] >= 1, brief(res)
+    assert res["late_write_trigger_reason"] == "sent after A's release", brief(res)
+    assert res["decode_pool"]["lifecycle"]["quarantined_pages"] == 0, brief(res)
+    assert res["corrupted_requests"] == 0 and res["pages_back_at_quiesce"], brief(res)
+    assert res["a_pages_quarantined"] == A_PAGES, brief(res)  # all of A's pages (and the alert's sizing)
+    assert res["handed_a_pages_before_write_landed"] == [] and res["tracer_gaps"] == [], brief(res)
+    misowned = res["misowned_page_request"]
+    assert misowned["status"] == 500 and misowned["output_tokens"] == 0, misowned
+    assert "page ownership" in (misowned["error"] or ""), misowned
+
+
+def test_quarantine_alert_fires_on_decodes_metrics_while_the_late_write_is_pending(
+    late_write: dict[str, dict[str, Any]], tmp_path: Path,
+) -> None:
+    """deploy/prometheus's rules over the hardened decode's /metrics, scraped after the warm-up and once A's pages
+    were in quarantine: SGLangHardenQuarantineNearCap fires (and promtool agrees with every other alert the two
+    scrapes call for)."""
+    if alert_rules.promtool() is None:
+        pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it)")
+    pytest.importorskip("yaml")  # the rules' annotations
+    before, during = late_write["hardened"]["quarantine_scrapes"]
+    assert during is not None, "decode held no page in quarantine within the release window"
+    judged = alert_rules.judge_nodes({"decode": (before, during)}, tmp_path)
+    assert judged.expected["SGLangHardenQuarantineNearCap"] == [{"instance": "decode", "severity": "warning"}], \
+        [line for line in during.splitlines() if "quarantin" in line]
+    assert judged.ok, judged.result.stdout + judged.result.stderr

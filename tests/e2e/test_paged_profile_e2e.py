@@ -37,7 +37,6 @@ Rounds: a warm-up, then tenant A seeds (1, 2), each round A then the oversized B
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -55,9 +54,9 @@ from sglang_harden.testbed.incident import (
     RoundResult,
     assert_table_fault_read_by_vanilla,
     front_door_round,
-    read_kvtrace,
     run_round,
     start_incident_pair,
+    table_fault_round,
     tenant_a_prompt,
 )
 from sglang_harden.testbed.profiles import get_profile
@@ -134,24 +133,17 @@ def _run(pin: str, backend: str, hardened: bool, log_dir: Path) -> dict[str, Any
         door = front_door_round(pair, SETUP, tag=f"{'hardened' if hardened else 'vanilla'}-")
         orphan = _orphan_round(pair, hardened) if _runs_orphan_round(pin, backend, hardened) else None
         quiesce = pair.wait_quiesced(timeout=SETUP.quiesce_timeout_s)
-        table = pair.generate(greedy_body(tenant_a_prompt(21, 120), 8, rid="table-fault"), room=TABLE_ROOM,
-                              timeout=SETUP.waiting_timeout_s + 120)
+        table = table_fault_round(pair, TABLE_ROOM)
         table_decisions = pair.decode.harden_decisions() if hardened else {}
         scrapes = {role: (first_scrapes[role], alert_rules.scrape(server.url)) for role, server in
                    (("prefill", pair.prefill), ("decode", pair.decode))}
     finally:
         pair.stop()
-    trace = read_kvtrace(log_dir / "kvtrace")
-    faults = [json.loads(line) for path in sorted((log_dir / "kvtrace").glob("kvfault-*.jsonl"))
-              for line in path.read_text().splitlines() if line.strip()]
     return {"args": args, "rounds": rounds, "repeats": repeats, "unwritten": unwritten, "decisions": decisions,
             "flip": flip, "before_flip": before_flip, "flip_decisions": decision_delta(before_flip, after_flip),
             "front_door": door, "orphan": orphan, "scrapes": scrapes,
-            "quiesce": quiesce, "prefill_log": pair.prefill.log_text(), "table": table,
-            "table_decisions": decision_delta(decisions, table_decisions),
-            "table_fault": [f for f in faults if f.get("event") == "table_fault"],
-            "table_first_decode": next((e for e in trace if e.get("event") == "first_decode"
-                                        and e.get("rid") == "table-fault"), None)}
+            "quiesce": quiesce, "prefill_log": pair.prefill.log_text(), **table,
+            "table_decisions": decision_delta(decisions, table_decisions)}
 
 
 def _runs_orphan_round(pin: str, backend: str, hardened: bool) -> bool:

@@ -21,14 +21,13 @@ vanilla pin serving corrupted victims in this very scenario on the same pins and
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sglang_harden.testbed.latewrite import late_write_cases, run_late_write, setup_for
+from sglang_harden.testbed.latewrite import brief, late_write_cases, run_late_write, setup_for
 from sglang_harden.testbed.patched import patched_tree
 
 pytestmark = pytest.mark.e2e
@@ -54,12 +53,6 @@ def result(pin: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     return run_late_write(version, False, root / "patched", setup_for(profile, backend), tree=tree)
 
 
-def _brief(res: dict[str, Any]) -> str:
-    keys = ("late_writes_attempted", "late_writes_landed", "late_writes_failed", "late_write_t_rel",
-            "late_write_triggered_by", "late_write_trigger_reason", "victims", "corrupted_requests", "a_decode_pages",
-            "a_pages_quarantined", "handed_a_pages_before_write_landed",
-            "tracer_gaps", "pages_back_at_quiesce", "decode_pool", "log_dir")
-    return json.dumps({k: res.get(k) for k in keys}, default=str)
 
 
 @pytest.mark.proves(
@@ -67,21 +60,21 @@ def _brief(res: dict[str, Any]) -> str:
     control="tests/e2e/test_lifecycle_e2e.py::test_vanilla_late_write_corrupts_a_later_request",
 )
 def test_patched_late_write_corrupts_no_request(result: dict[str, Any]) -> None:
-    assert result["late_writes_attempted"] >= 1, _brief(result)  # the fault fired: "0 corrupted" is not vacuous
-    assert result["late_writes_landed"] >= 1, _brief(result)
-    assert result["served_requests"] >= 1, _brief(result)
-    assert result["corrupted_requests"] == 0, _brief(result)
+    assert result["late_writes_attempted"] >= 1, brief(result)  # the fault fired: "0 corrupted" is not vacuous
+    assert result["late_writes_landed"] >= 1, brief(result)
+    assert result["served_requests"] >= 1, brief(result)
+    assert result["corrupted_requests"] == 0, brief(result)
 
 
 def test_patched_quarantine_held_a_pages_and_released_them(result: dict[str, Any]) -> None:
     """The clean verdict counts only if A's pages really were quarantined, the write landed while a victim sent
     after A's release decoded, and the pages came back once prefill acknowledged the drain."""
-    assert result["a_decode_pages"], _brief(result)
-    assert result["a_pages_quarantined"] >= len(result["a_decode_pages"]), _brief(result)
-    assert result["late_write_trigger_reason"] == "sent after A's release", _brief(result)
-    assert result["handed_a_pages_before_write_landed"] == [], _brief(result)
-    assert result["tracer_gaps"] == [], _brief(result)
-    assert result["pages_back_at_quiesce"], _brief(result)
+    assert result["a_decode_pages"], brief(result)
+    assert result["a_pages_quarantined"] >= len(result["a_decode_pages"]), brief(result)
+    assert result["late_write_trigger_reason"] == "sent after A's release", brief(result)
+    assert result["handed_a_pages_before_write_landed"] == [], brief(result)
+    assert result["tracer_gaps"] == [], brief(result)
+    assert result["pages_back_at_quiesce"], brief(result)
 
 
 CAP_CASE = "0.5.23/mooncake/paged16"
@@ -104,11 +97,11 @@ def capped(require_pin: Callable[[str], None], tmp_path_factory: pytest.TempPath
 )
 def test_patched_quarantine_cap_refuses_new_requests_with_503(capped: dict[str, Any]) -> None:
     statuses = [v["status"] for v in capped["victims"].values()]
-    assert capped["late_writes_attempted"] >= 1, _brief(capped)
-    assert capped["a_pages_quarantined"] >= 1, _brief(capped)
-    assert 503 in statuses, _brief(capped)
-    assert set(statuses) <= {200, 503}, _brief(capped)
+    assert capped["late_writes_attempted"] >= 1, brief(capped)
+    assert capped["a_pages_quarantined"] >= 1, brief(capped)
+    assert 503 in statuses, brief(capped)
+    assert set(statuses) <= {200, 503}, brief(capped)
     decode_log = next(Path(capped["log_dir"]).glob("decode-*.log")).read_text(errors="replace")
     assert "sglang-harden lifecycle reject (503)" in decode_log and "quarantined (cap 1)" in decode_log
-    assert capped["corrupted_requests"] == 0, _brief(capped)
-    assert capped["pages_back_at_quiesce"], _brief(capped)
+    assert capped["corrupted_requests"] == 0, brief(capped)
+    assert capped["pages_back_at_quiesce"], brief(capped)

@@ -1,7 +1,8 @@
 """The model-shape gate and the KV guards on SGLang's real pool classes (CPU), in one process: run under a pin venv.
 
-No MLA or speculative-decoding PD pair runs on the CPU testbed (docs/shapes.md says why), so what covers those shapes
-is shown here on the pools SGLang itself builds for them: ``MLATokenToKVPool`` (the canary and the digest read its
+No speculative-decoding PD pair runs on the CPU testbed (docs/shapes.md says why), so what covers it is shown here on
+the pools SGLang itself builds; the MLA pair's e2e cases (tests/e2e/test_model_shapes_e2e.py) are joined here by
+the finer cases on ``MLATokenToKVPool`` (the canary and the digest read its
 latent buffers: a faithful copy passes, a skipped page, an unwritten row and a flipped bit are caught), ``SWAKVPool``
 and a target pool beside a draft model's (speculative decoding). The schedulers are stand-ins holding what
 ``compat.model_shape`` and ``compat.kv_digest`` read from a scheduler, because a real scheduler needs a model.
@@ -230,20 +231,22 @@ def test_log_mode_starts_and_names_the_partial_guards(monkeypatch: pytest.Monkey
     """SGLANG_HARDEN_MODE=log refuses nothing: the gate's refusal is a counted warning there."""
     monkeypatch.setattr(RUNTIME, "config", load_config({"SGLANG_HARDEN_MODE": "log"}))
     before = events.snapshot().get("model_shape:reject_logged", 0)
-    model_shape.shape_gate(_scheduler(_mla_pool()), "decode", ROLES)
-    assert RUNTIME.model_shape["partial_in_log_mode"] == ["lifecycle", "page_tags"]
+    model_shape.shape_gate(_scheduler(_mla_pool(), spec="EAGLE"), "decode", ROLES)
+    assert RUNTIME.model_shape["partial_in_log_mode"] == sorted(PAGE_AND_BYTE_GUARDS)
     assert events.snapshot()["model_shape:reject_logged"] == before + 1
     mixed = load_config({"SGLANG_HARDEN_MODE": "log", "SGLANG_HARDEN_LIFECYCLE": "enforce"})
     monkeypatch.setattr(RUNTIME, "config", mixed)
-    with pytest.raises(HardenRefusal, match="lifecycle on mla"):
-        model_shape.shape_gate(_scheduler(_mla_pool()), "decode", ROLES)
+    with pytest.raises(HardenRefusal, match="lifecycle on speculative"):
+        model_shape.shape_gate(_scheduler(_mla_pool(), spec="EAGLE"), "decode", ROLES)
 
 
 def test_a_guard_that_does_not_run_in_the_role_is_not_judged() -> None:
-    """page_tags and the canary run on decode only: a prefill node on MLA is refused for lifecycle alone."""
+    """page_tags and the canary run on decode only: a speculative prefill node is refused without them."""
     with pytest.raises(HardenRefusal) as refused:
-        model_shape.shape_gate(_scheduler(_mla_pool()), "prefill", ROLES)
-    assert "lifecycle on mla" in str(refused.value) and "page_tags" not in str(refused.value)
+        model_shape.shape_gate(_scheduler(_mla_pool(), spec="EAGLE"), "prefill", ROLES)
+    message = str(refused.value)
+    assert "lifecycle on speculative" in message and "checksum on speculative" in message, message
+    assert "page_tags" not in message and "canary" not in message, message
 
 
 @pytest.mark.parametrize("where", ["0.4.9: server_args.enable_dp_attention", "0.5.21: scheduler.enable_dp_attention",
@@ -270,14 +273,11 @@ def test_speculative_algorithm_read_from_server_args_where_the_scheduler_has_non
     assert model_shape.read_shapes(scheduler)[0] == [KVShape.MHA, KVShape.SPECULATIVE]
 
 
-def test_gate_passes_mla_with_the_guards_that_cover_it() -> None:
-    scheduler = _scheduler(_mla_pool())
-    with pytest.raises(HardenRefusal, match="lifecycle on mla"):
-        model_shape.shape_gate(scheduler, "decode", ROLES)
-    RUNTIME.armed = tuple(g for g in GUARDS if g not in ("lifecycle", "page_tags"))
-    model_shape.shape_gate(scheduler, "decode", ROLES)
-    assert RUNTIME.model_shape["guards"]["canary"] == {"mla": "in-process"}
-    assert RUNTIME.model_shape["guards"]["checksum"] == {"mla": "in-process"}
+def test_gate_passes_mla_with_every_guard() -> None:
+    model_shape.shape_gate(_scheduler(_mla_pool()), "decode", ROLES)
+    assert RUNTIME.model_shape["guards"]["lifecycle"] == RUNTIME.model_shape["guards"]["page_tags"] == {"mla": "e2e"}
+    assert RUNTIME.model_shape["guards"]["canary"] == {"mla": "e2e"}
+    assert RUNTIME.model_shape["guards"]["checksum"] == {"mla": "e2e"}
 
 
 def test_gate_passes_the_testbeds_shape_with_every_guard() -> None:

@@ -225,3 +225,21 @@ def test_every_decision_the_rules_count_is_primed_at_start_up() -> None:
         counted |= {(guard, decision.removesuffix("_logged"))
                     for guard in guards.group(1).split("|") for decision in decisions.group(1).split("|")}
     assert counted == {(guard, verdict.value) for guard, verdict in WATCHED_DECISIONS.items()}
+
+
+def test_real_node_judging_sees_a_quarantine_the_second_scrape_brought(tmp_path: Path) -> None:
+    """judge_nodes over two expositions of one decode: nothing held at the first scrape, 10 pages of a 12-page cap at
+    the second. The rules fire SGLangHardenQuarantineNearCap where the samples call for it (and not at 9 pages, 75%)."""
+    def exposition(pages: int) -> str:
+        return "\n".join([
+            'sglang_harden_build_info{family="sglang-0.5.19+",mode="enforce",pin="0.5.23",role="decode",'
+            'version="0.1.0",pid="7"} 1',
+            f'sglang_harden_quarantined_pages{{pid="7"}} {pages}',
+            'sglang_harden_quarantine_cap_pages{pid="7"} 12', ""])
+
+    for pages, fires in ((10, True), (9, False)):
+        (tmp_path / str(pages)).mkdir()
+        judged = alert_rules.judge_nodes({"decode": (exposition(0), exposition(pages))}, tmp_path / str(pages))
+        near = judged.expected["SGLangHardenQuarantineNearCap"]
+        assert near == ([{"instance": "decode", "severity": "warning"}] if fires else []), (pages, near)
+        assert judged.ok, judged.result.stdout + judged.result.stderr

@@ -29,14 +29,22 @@ def test_the_testbeds_shape_allows_every_guard() -> None:
     assert decision.fields["guards"]["lifecycle"] == {"mha": "e2e"}
 
 
-def test_mla_refuses_the_ledger_guards_and_names_their_switches() -> None:
+def test_mla_allows_every_guard_each_with_its_evidence() -> None:
     decision = decide_shapes([KVShape.MLA], GUARDS, "pool MLATokenToKVPool")
+    assert decision.verdict is Verdict.ALLOW
+    assert decision.fields["guards"]["lifecycle"] == decision.fields["guards"]["page_tags"] == {"mla": "e2e"}
+    assert decision.fields["guards"]["canary"] == {"mla": "e2e"}
+
+
+def test_a_refusal_names_the_shape_the_guards_and_their_switches() -> None:
+    decision = decide_shapes([KVShape.MLA, KVShape.SPECULATIVE], GUARDS, "pool MLATokenToKVPool; EAGLE")
     assert decision.verdict is Verdict.REJECT
-    assert decision.fields["refused"] == ["lifecycle", "page_tags"]
-    assert "(mla; pool MLATokenToKVPool)" in decision.reason
-    assert "SGLANG_HARDEN_LIFECYCLE=off SGLANG_HARDEN_PAGE_TAGS=off" in decision.reason
+    assert decision.fields["refused"] == ["canary", "checksum", "lifecycle", "page_tags"]
+    assert "(mla, speculative; pool MLATokenToKVPool; EAGLE)" in decision.reason
+    assert "lifecycle on speculative" in decision.reason and "on mla" not in decision.reason
+    assert ("SGLANG_HARDEN_CANARY=off SGLANG_HARDEN_CHECKSUM=off SGLANG_HARDEN_LIFECYCLE=off "
+            "SGLANG_HARDEN_PAGE_TAGS=off") in decision.reason
     assert "--harden-lifecycle off --harden-page-tags off" in decision.reason
-    assert decide_shapes([KVShape.MLA], [g for g in GUARDS if g not in ("lifecycle", "page_tags")]).allows
 
 
 @pytest.mark.parametrize("shape", [s for s in KVShape if s not in (KVShape.MHA, KVShape.MLA)])
@@ -58,17 +66,28 @@ def test_no_guard_armed_decides_nothing_to_refuse() -> None:
     assert decide_shapes(list(KVShape), []).allows
 
 
-def test_every_refusal_has_a_reason_and_every_in_process_cover_its_tests() -> None:
+def test_every_refusal_has_a_reason_and_every_cover_beyond_mha_its_tests() -> None:
     for guard, row in shape_table(TABLE_GUARDS):
         for shape, cover in row.items():
             assert cover.why, (guard, shape)
-            if cover.cover is Cover.IN_PROCESS:
+            if cover.cover is Cover.IN_PROCESS or (cover.cover is Cover.E2E and shape is not KVShape.MHA):
                 assert cover.evidence, (guard, shape)
+                proven_by = set()
                 for node in cover.evidence:
                     path, _, name = node.partition("::")
-                    tree = ast.parse((REPO / path).read_text())
-                    names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-                    assert name in names, f"{guard} on {shape.value}: {node} does not exist"
+                    tests = {n.name: n for n in ast.walk(ast.parse((REPO / path).read_text()))
+                             if isinstance(n, ast.FunctionDef)}
+                    assert name in tests, f"{guard} on {shape.value}: {node} does not exist"
+                    proven_by |= _proves_guards(tests[name]) if path.startswith("tests/e2e/") else set()
+                if cover.cover is Cover.E2E:
+                    assert guard in proven_by, f"{guard} on {shape.value}: no e2e test it cites proves it"
+
+
+def _proves_guards(test: ast.FunctionDef) -> set[str]:
+    """The guards a test's ``@pytest.mark.proves(path, *guards, ...)`` names."""
+    return {arg.value for mark in test.decorator_list if isinstance(mark, ast.Call)
+            and isinstance(mark.func, ast.Attribute) and mark.func.attr == "proves"
+            for arg in mark.args[1:] if isinstance(arg, ast.Constant)}
 
 
 def test_generated_docs_are_current() -> None:

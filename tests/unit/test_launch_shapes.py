@@ -16,12 +16,13 @@ def _model(tmp_path: Path, config: dict) -> Path:
     return tmp_path
 
 
-def test_the_testbeds_mla_model_is_read_as_mla_and_refuses_the_ledger_guards(tmp_path: Path) -> None:
+def test_the_testbeds_mla_model_is_read_as_mla_and_a_draft_model_refuses_the_page_guards(tmp_path: Path) -> None:
     args = ["--model-path", str(_model(tmp_path, TINY_MLA_CONFIG))]
     assert launch_shapes(args)[0] == [KVShape.MLA]
-    state = shape_state(args, list(GUARDS))
-    assert state["refused"] == ["lifecycle", "page_tags"] and "SGLANG_HARDEN_LIFECYCLE=off" in state["message"]
-    assert shape_state(args, [g for g in GUARDS if g not in ("lifecycle", "page_tags")])["refused"] == []
+    assert shape_state(args, list(GUARDS))["refused"] == []
+    state = shape_state([*args, "--speculative-algorithm", "EAGLE"], list(GUARDS))
+    assert state["refused"] == ["canary", "checksum", "lifecycle", "page_tags"], state
+    assert "SGLANG_HARDEN_LIFECYCLE=off" in state["message"]
 
 
 def test_a_llama_config_with_every_guard_starts(tmp_path: Path) -> None:

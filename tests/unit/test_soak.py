@@ -103,8 +103,8 @@ def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
     assert _report(foreign_reads={"rows": 3, "requests": 1, "tracer_errors": 0}).violations()
     assert _report(foreign_reads={"rows": 0, "requests": 0, "tracer_errors": 1}).violations()
     leaked = {"leaked_tokens": 32, "double_frees": 0, "quarantined_pages": 2, "pool": {}}
-    assert "decode: 32 token(s)" in _report(quiesce={"prefill": leaked | {"leaked_tokens": 0}, "decode": leaked}
-                                            ).violations()[0]
+    assert "decode: 32 token(s)" in _report(quiesce={"prefill": leaked | {"leaked_tokens": 0, "quarantined_pages": 0},
+                                                     "decode": leaked}).violations()[0]
     doubled = {"leaked_tokens": 0, "double_frees": 1, "quarantined_pages": 0, "pool": {}}
     assert "freed twice" in _report(quiesce={"prefill": doubled, "decode": doubled}).violations()[0]
     unread = {"leaked_tokens": None, "double_frees": 0, "quarantined_pages": 0, "pool": None}  # a node that died
@@ -112,10 +112,39 @@ def test_clean_report_has_no_violations_and_each_oracle_can_fail() -> None:
         "double_frees": 0}}).violations()[0]
     served = soak_judging.summarize([_outcome("oversized", 200)], [], 1.0, LOAD, 1600, 16)
     assert _report(summary=served).violations() == ["1 request(s) oversized_served"]
-    held = [{"decode0": {"lifecycle": {"quarantined_pages": 3}}}]
-    hoarding = soak_judging.summarize([_outcome("normal", 200)], held, 1.0, LOAD, 1600, 16)  # 3 of 100 pages
-    assert _report(summary=hoarding).violations() == ["quarantine peaked at 3 pages (3.00% of a decode pool; bound 2%)"]
-    assert _report(summary=hoarding, load={"quarantine_bound_share": 0.05}).violations() == []
+
+
+def _quarantine_verdict(pages: int, load: soak_spec.SoakLoad, pool_tokens: int) -> list[str]:
+    held = [{"decode0": {"lifecycle": {"quarantined_pages": pages}}}]
+    return _report(summary=soak_judging.summarize([_outcome("normal", 200)], held, 1.0, load, pool_tokens, 16)
+                   ).violations()
+
+
+def test_quarantine_bound_is_the_pool_share_or_what_the_requests_aborted_at_once_own() -> None:
+    # one request of this load owns at most ceil((16 + 32 + 16) / 16) = 4 pages; a burst of one abort, one
+    # disconnect beside it: 8
+    small = soak_spec.SoakLoad(prefix_len=16, suffix_len=(8, 32), new_tokens=(4, 16), abort_burst_size=1)
+    assert small.largest_request_pages(16) == 4
+    # a 100-page pool: 2% is 2 pages, under one aborted request; the bound is the 8 pages the aborted ones own
+    assert small.quarantine_bound_pages(100, 16) == 8
+    assert _quarantine_verdict(8, small, 1600) == []
+    assert _quarantine_verdict(9, small, 1600) == [
+        "quarantine peaked at 9 pages (9.00% of a decode pool; bound 8 pages)"]
+    # a 1000-page pool: the share (20 pages) is the larger bound
+    assert small.quarantine_bound_pages(1000, 16) == 20
+    assert _quarantine_verdict(20, small, 16000) == []
+    assert _quarantine_verdict(21, small, 16000) == [
+        "quarantine peaked at 21 pages (2.10% of a decode pool; bound 20 pages)"]
+    # each late write may hold its request's pages as well
+    assert soak_spec.SoakLoad(prefix_len=16, suffix_len=(8, 32), new_tokens=(4, 16), abort_burst_size=1,
+                              late_writes=2).quarantine_bound_pages(100, 16) == 16
+
+
+def test_pages_left_in_quarantine_at_quiesce_are_a_violation() -> None:
+    held = {"leaked_tokens": 0, "double_frees": 0, "quarantined_pages": 3, "pool": {}}
+    clean = {"leaked_tokens": 0, "double_frees": 0, "quarantined_pages": 0, "pool": {}}
+    assert _report(quiesce={"prefill": clean, "decode": held}).violations() == [
+        "decode: 3 page(s) still in quarantine at quiesce"]
 
 
 def test_leak_of_a_pool_report_and_unreachable_pool() -> None:

@@ -4,11 +4,12 @@
 Kinds:
 
 * ``flip:<room>`` (decode): right before decode commits the finished transfer of that bootstrap room, one bit of
-  one received KV row (layer 0 K, the request's middle token) is flipped: a corrupted transfer.
+  one received KV row (layer 0 K, or MLA's latent row, of the request's middle token) is flipped: a corrupted transfer.
   ``flip@<rank>:<room>`` does it on that attention-TP rank of decode only (a mismatch one rank sees).
 * ``unwritten:<pages>`` (prefill): a KV send of exactly ``<pages>`` pages leaves out its last page (source and
   destination alike), so the transfer reports success and decode's last reserved page keeps whatever it held
-  before: a reserved page the transfer never wrote, the incident's stale page.
+  before: a reserved page the transfer never wrote, the incident's stale page (one ``unwritten`` JSON line, where
+  the trace folder is set: the pages the send had and the decode page left out).
 * ``table:<room>`` (decode): right before decode commits that room's finished transfer, SGLang's own page table
   (``req_to_token``) is made inconsistent: the request's middle prompt page is pointed at a page in the KV
   allocator's free list (one whose rows still hold what an earlier request left, when there is one). The
@@ -35,7 +36,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import append_trace_line, free_page_ids, pool_idx, wrap_methods_once
+from sglang_harden_shimkit import append_trace_line, free_page_ids, kv_layer_buffers, pool_idx, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -60,7 +61,7 @@ def _flip_one_bit(queue: Any, req: Any) -> None:
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     token = len(req.origin_input_ids) // 2
     slot = int(scheduler.req_to_token_pool.req_to_token[int(pool_idx(req)), token])
-    row = pool.k_buffer[0][slot]
+    row = kv_layer_buffers(pool)[0][0][slot]
     raw = row.view(torch.uint8).reshape(-1)
     raw[0] ^= 1
     append_trace_line("kvfault", {"event": "flip", "rid": req.rid, "room": int(req.bootstrap_room), "slot": slot})
@@ -73,7 +74,7 @@ def _stale_free_page(scheduler: Any, page_size: int) -> int:
     free = free_page_ids(allocator)  # recently released first: the likeliest to hold an earlier request's rows
     if not free:
         raise RuntimeError("kvfault table: the KV allocator has no free page to point at")
-    k0 = allocator.get_kvcache().k_buffer[0]
+    k0 = kv_layer_buffers(allocator.get_kvcache())[0][0]
     for page in free:
         if bool(k0[page * page_size].abs().sum() > 0):
             return page
@@ -162,6 +163,8 @@ def _wrap_send_kvcache(original: Any) -> Any:
     def send_kvcache(self: Any, peer: Any, prefill_kv_indices: Any, dst_kv_ptrs: Any, dst_kv_indices: Any,
                      *args: Any, **kwargs: Any) -> Any:
         if len(prefill_kv_indices) in sizes and len(dst_kv_indices) == len(prefill_kv_indices):
+            append_trace_line("kvfault", {"event": "unwritten", "pages": len(dst_kv_indices),
+                                          "decode_page_left_out": int(dst_kv_indices[-1])})
             prefill_kv_indices, dst_kv_indices = prefill_kv_indices[:-1], dst_kv_indices[:-1]
         return original(self, peer, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *args, **kwargs)
 

@@ -41,7 +41,7 @@ from collections import Counter
 from types import ModuleType
 from typing import Any
 
-from sglang_harden_shimkit import append_trace_line, pool_idx, wrap_methods_once
+from sglang_harden_shimkit import append_trace_line, kv_layer_buffers, pool_idx, wrap_methods_once
 
 from sglang_harden._importhook import when_imported
 
@@ -71,12 +71,7 @@ def _is_decode(scheduler: Any) -> bool:
 
 
 def _kv_buffers(scheduler: Any) -> tuple[list[Any], list[Any]]:
-    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    if getattr(pool, "k_buffer", None) is not None:
-        return list(pool.k_buffer), list(pool.v_buffer)
-    start = getattr(pool, "start_layer", 0) or 0
-    layers = range(start, start + pool.layer_num)
-    return [pool.get_key_buffer(i) for i in layers], [pool.get_value_buffer(i) for i in layers]
+    return kv_layer_buffers(scheduler.token_to_kv_pool_allocator.get_kvcache())
 
 
 def _slots(scheduler: Any, req: Any, length: int) -> list[int]:

@@ -68,3 +68,13 @@ def pool_idx(req: Any) -> int | None:
     (0.4.x; 0.5.18, whose ``req.kv`` holds other things)."""
     idx = getattr(getattr(req, "kv", None), "req_pool_idx", None)
     return idx if idx is not None else getattr(req, "req_pool_idx", None)
+
+
+def kv_layer_buffers(pool: Any) -> tuple[list[Any], list[Any]]:
+    """Each layer's K and V buffer of a KV pool: MHA's own lists, or, on a pool without them (MLA's latent buffer),
+    what the pool's getters answer per layer (views of the same memory)."""
+    if getattr(pool, "k_buffer", None) is not None:
+        return list(pool.k_buffer), list(pool.v_buffer)
+    start = getattr(pool, "start_layer", 0) or 0
+    layers = range(start, start + pool.layer_num)
+    return [pool.get_key_buffer(i) for i in layers], [pool.get_value_buffer(i) for i in layers]
