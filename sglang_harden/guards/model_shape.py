@@ -77,8 +77,8 @@ _REFUSALS: dict[KVShape, dict[str, str]] = {
                                         "buffers or index spaces"),
 }
 _MLA_E2E = "tests/e2e/test_model_shapes_e2e.py"
-_MLA_LATE_WRITE = (f"{_MLA_E2E}::test_vanilla_mla_late_write_corrupts_a_victim",
-                   f"{_MLA_E2E}::test_hardened_mla_late_write_corrupts_no_victim")
+_MLA_LATE_WRITE = ("tests/e2e/test_mla_late_write_e2e.py::test_vanilla_mla_late_write_corrupts_a_victim",
+                   "tests/e2e/test_mla_late_write_e2e.py::test_hardened_mla_late_write_corrupts_no_victim")
 _COVERED: dict[tuple[KVShape, str], Coverage] = {
     (KVShape.MLA, "lifecycle"): Coverage(Cover.E2E, "holds the latent pages a late write may still land on "
                                          "(the late-write case on the MLA pair)", _MLA_LATE_WRITE),

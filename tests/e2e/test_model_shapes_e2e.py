@@ -13,27 +13,23 @@ The incident's pair (tests/e2e/test_incident.py's sizes, Mooncake, torch_native 
 After the incident's rounds both pairs get two broken transfers (the test-only ``kvfault`` shim): one bit of one
 received latent row flipped before decode commits (room ``FLIP_ROOM``), and a 137-page send that leaves out its last
 page and reports success (the incident's stale page). Vanilla decodes over both; hardened, the digest aborts the
-first and the canary the second, before any decode step.
+first and the canary the second, before any decode step. Last (it leaves the pool inconsistent), a page table pointed
+at a free latent page (``table`` fault): vanilla decodes over another request's latent rows; hardened, the page
+tags abort.
 
-The late write on the MLA pair (``testbed/latewrite.py``'s scenario and oracles, paged16 profile, Mooncake), vanilla
-and hardened in the same test module: vanilla's freed latent pages go to a victim and A's late write changes the
-victim's latent rows while it decodes; hardened holds A's pages in quarantine until the write landed (0 corrupted
-victims, every page back at quiesce) and aborts the request whose page was deliberately mis-owned (page tags). These
-are the evidence of the lifecycle and page-tag cells of the MLA column (guards/model_shape.py). The gate's refusal of
-a shape an armed guard does not cover is shown in process (tests/integration/test_model_shapes_inprocess.py): no
+The late write on the MLA pair, the lifecycle's case: tests/e2e/test_mla_late_write_e2e.py. The gate's refusal of a
+shape an armed guard does not cover is shown in process (tests/integration/test_model_shapes_inprocess.py): no
 refused shape serves on the CPU testbed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sglang_harden.testbed import alert_rules
 from sglang_harden.testbed.client import greedy_body
 from sglang_harden.testbed.envs import load_pins, plugin_pins
 from sglang_harden.testbed.incident import (
@@ -48,7 +44,6 @@ from sglang_harden.testbed.incident import (
     table_fault_round,
     tenant_a_prompt,
 )
-from sglang_harden.testbed.latewrite import brief, run_late_write, setup_for, vanilla_harmed
 from sglang_harden.testbed.model import TINY_MLA_FLAGS, build_tiny_mla_model
 from sglang_harden.testbed.soak_judging import decision_delta
 
@@ -56,12 +51,6 @@ pytestmark = pytest.mark.e2e
 
 RECIPES = load_pins()
 SETUP = IncidentSetup(a_seeds=(1, 2))
-# A's pages (150 prompt + 8 new tokens, pages of 16: 10) held in quarantine are 83% of a cap two pages larger
-# (admission stays open under the cap), so the fleet's quarantine alert is judged on the hardened decode's real
-# /metrics as well
-_PAGED = setup_for("paged16", "mooncake")
-A_PAGES = -(-(_PAGED.a_len + 8) // 16)
-LATE_WRITE = dataclasses.replace(_PAGED, model="mla", scrape_quarantine=True, quarantine_cap_pages=A_PAGES + 2)
 FLIP_ROOM = 7_100_001
 TABLE_ROOM = 7_100_002
 UNWRITTEN_LEN = 137  # page size 1: a send of exactly 137 pages (no other request here sends as many) loses its last
@@ -225,51 +214,3 @@ def test_hardened_mla_page_tags_abort_a_latent_page_the_request_does_not_own(cov
     assert "page ownership check failed" in decode.error_message(), decode.summary()
     assert fault["decisions"].get("page_tags:abort") == 1, fault["decisions"]
     assert fault["table_first_decode"] is None, fault["table_first_decode"]
-
-
-@pytest.fixture(scope="module")
-def late_write(pin: str, mla: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    root = tmp_path_factory.mktemp(f"mla-latewrite-{pin}")
-    results = {v: run_late_write(pin, v == "hardened", root / v, LATE_WRITE) for v in ("vanilla", "hardened")}
-    if not vanilla_harmed(results["vanilla"]):  # a loaded host may let the write land before a victim is handed
-        results["vanilla"] = {**run_late_write(pin, False, root / "vanilla-retry", LATE_WRITE), "attempts": 2}
-    return results
-
-
-def test_vanilla_mla_late_write_corrupts_a_victim(late_write: dict[str, dict[str, Any]]) -> None:
-    res = late_write["vanilla"]
-    assert vanilla_harmed(res), brief(res)
-
-
-@pytest.mark.proves("plugin", "lifecycle", control="test_vanilla_mla_late_write_corrupts_a_victim")
-def test_hardened_mla_late_write_corrupts_no_victim(late_write: dict[str, dict[str, Any]]) -> None:
-    """The write fired and landed while a victim sent after A's release decoded; no victim was handed A's latent
-    pages before it landed, none was corrupted, the tracer judged each, every page came back and none is left in
-    quarantine; the request whose page the test hook mis-owned in the ledger was aborted (page tags)."""
-    res = late_write["hardened"]
-    assert res["late_writes_landed"] >= 1 and res["served_requests"] >= 1, brief(res)
-    assert res["late_write_trigger_reason"] == "sent after A's release", brief(res)
-    assert res["decode_pool"]["lifecycle"]["quarantined_pages"] == 0, brief(res)
-    assert res["corrupted_requests"] == 0 and res["pages_back_at_quiesce"], brief(res)
-    assert res["a_pages_quarantined"] == A_PAGES, brief(res)  # all of A's pages (and the alert's sizing)
-    assert res["handed_a_pages_before_write_landed"] == [] and res["tracer_gaps"] == [], brief(res)
-    misowned = res["misowned_page_request"]
-    assert misowned["status"] == 500 and misowned["output_tokens"] == 0, misowned
-    assert "page ownership" in (misowned["error"] or ""), misowned
-
-
-def test_quarantine_alert_fires_on_decodes_metrics_while_the_late_write_is_pending(
-    late_write: dict[str, dict[str, Any]], tmp_path: Path,
-) -> None:
-    """deploy/prometheus's rules over the hardened decode's /metrics, scraped after the warm-up and once A's pages
-    were in quarantine: SGLangHardenQuarantineNearCap fires (and promtool agrees with every other alert the two
-    scrapes call for)."""
-    if alert_rules.promtool() is None:
-        pytest.skip("promtool not installed (scripts/fetch_promtool.sh fetches it)")
-    pytest.importorskip("yaml")  # the rules' annotations
-    before, during = late_write["hardened"]["quarantine_scrapes"]
-    assert during is not None, "decode held no page in quarantine within the release window"
-    judged = alert_rules.judge_nodes({"decode": (before, during)}, tmp_path)
-    assert judged.expected["SGLangHardenQuarantineNearCap"] == [{"instance": "decode", "severity": "warning"}], \
-        [line for line in during.splitlines() if "quarantin" in line]
-    assert judged.ok, judged.result.stdout + judged.result.stderr
