@@ -134,8 +134,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "a node whose KV shape an armed guard covers only in part starts with it armed",
              ("tests/unit/test_guard_model_shape.py",)),
     Mutation("model_shape", G + "model_shape.py",
-             'return Coverage(Cover.REFUSED, reason or "no test shows it on this shape")',
-             'return Coverage(Cover.IN_PROCESS, reason or "no test shows it on this shape")',
+             'return Coverage(Cover.REFUSED, reason or "no test shows it on this shape", evidence)',
+             'return Coverage(Cover.IN_PROCESS, reason or "no test shows it on this shape", evidence)',
              "a shape no test covers counts as covered (the table says yes without a result)",
              ("tests/unit/test_guard_model_shape.py",)),
     # the bound moved by one: survived the gate's own tests until test_guard_mutants_capacity.py

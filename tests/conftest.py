@@ -109,6 +109,7 @@ E2E_GROUP_MINUTES = {
     "test_capacity_e2e": 4.0,
     "test_model_shapes_e2e": 3.4,
     "test_mla_late_write_e2e": 3.7,
+    "test_swa_shape_e2e": 1.5,
     "test_mixed_pair_e2e": 2.7,
     "test_fail_closed_e2e": 2.3,
     "test_pool_limit_e2e": 2.2,

@@ -69,12 +69,10 @@ def family_module_for(pin: str | None, allow_unknown: bool) -> str:
 
 
 def _next_step_for(pin: str) -> str:
+    from sglang_harden.compat.reach import next_step
     from sglang_harden.tools.patch import available_pins, default_patches_dir
 
-    if pin in available_pins(default_patches_dir()):
-        return (f"This release has a backport series: run `sglang-harden patch apply --pin {pin} --tree "
-                "<site-packages>`, then `pip uninstall sglang-harden` (docs/deploy.md).")
-    return "Move to a supported pin, or apply the backport series of one (`sglang-harden patch list`)."
+    return next_step(pin, available_pins(default_patches_dir()))
 
 
 def probe_family() -> tuple[str | None, str, list[str]]:

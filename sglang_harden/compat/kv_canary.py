@@ -16,12 +16,14 @@ room (re-stamping a page with a transfer in flight could erase a write), and bou
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from sglang_harden.compat.runtime import RUNTIME
 from sglang_harden.config import Mode
 from sglang_harden.guards import canary
+from sglang_harden.guards.base import Decision, Verdict
 from sglang_harden.kernels.canary_stamps import (  # noqa: F401 - stamp helpers, used through this module
     MAX_ROOMS,
     CanaryGateStep,
@@ -57,13 +59,43 @@ def stamp_before_send(original: Func) -> Func:
 
 
 def _stamp(room: int, pages: list[int], pool: Any) -> None:
+    """Stamp the room's pages; where the pool cannot be stamped the room stays unstamped, and the commit gate
+    refuses it as unverified, saying why (log mode: counts and logs that) instead of the scheduler dying here."""
     if STAMPS.has(room):
         return
-    marker = canary.new_marker(str(room))
-    slots = stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
+    try:
+        marker = canary.new_marker(str(room))
+        slots = stamp(canary_buffers(pool), canary.stamp_slots(pages, int(pool.page_size)), marker)
+    except Exception as exc:  # noqa: BLE001 - cannot stamp (a pool it does not read): the commit gate fails it
+        why = f"{type(pool).__name__} cannot be stamped: {exc!r}"
+        UNSTAMPABLE[room] = why
+        while len(UNSTAMPABLE) > MAX_ROOMS:
+            UNSTAMPABLE.popitem(last=False)
+        if (type(pool).__name__, type(exc).__name__) not in _warned:
+            _warned.add((type(pool).__name__, type(exc).__name__))
+            logger.warning("sglang-harden canary: decode's KV pool %s; each room it reserves is refused as "
+                           "unverified at the commit", why)
+        return
     STAMPS.add(room, Stamp(marker, tuple(pages), slots))
+
+
+UNSTAMPABLE: OrderedDict[int, str] = OrderedDict()  # room -> why its pages could not be stamped
+_warned: set[tuple[str, str]] = set()
+
+
+class _CanaryStep(CanaryGateStep):
+    """The commit gate's canary step; a room left unstamped by :func:`_stamp` is refused naming why."""
+
+    def decide(self, queue: Any, decode_req: Any, pending: Any) -> Decision | None:
+        room = getattr(decode_req.req, "bootstrap_room", None)
+        why = UNSTAMPABLE.pop(int(room), None) if pending is None and room is not None else None
+        if why is None:
+            return super().decide(queue, decode_req, pending)
+        rid = str(decode_req.req.rid)
+        return Decision(canary.GUARD, Verdict.ABORT, f"request {rid}: decode's KV pool {why}; refusing to decode "
+                        "unverified pages", canary.ABORT_STATUS, {"rid": rid, "room": room})
 
 
 def canary_step() -> CanaryGateStep:
     """The commit gate's canary step over this process's stamps and decode's KV pool."""
-    return CanaryGateStep(STAMPS, lambda: RUNTIME.decode_kv_pool)
+    return _CanaryStep(STAMPS, lambda: RUNTIME.decode_kv_pool)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+RELEASE_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?$")
+
 # pin -> family module (under sglang_harden.compat)
 SUPPORTED_PINS: dict[str, str] = {
     "0.4.9.post6": "sglang_v049",
@@ -29,3 +33,12 @@ def patched_tree_marker() -> str | None:
         if marker.is_file():
             return str(marker)
     return None
+
+
+def release_key(version: str) -> tuple[int, int, int, int]:
+    """Order of final releases (``0.4.9 < 0.4.9.post1 < 0.4.10``); ValueError for anything else (rc, dev)."""
+    match = RELEASE_RE.match(version)
+    if match is None:
+        raise ValueError(f"not a final SGLang release number: {version!r}")
+    major, minor, micro, post = match.groups()
+    return int(major), int(minor), int(micro), int(post) if post is not None else -1

@@ -72,9 +72,15 @@ _REFUSALS: dict[KVShape, dict[str, str]] = {
     KVShape.LINEAR_STATE: dict.fromkeys(PAGE_AND_BYTE_GUARDS, "the per-request Mamba/linear-attention state slots "
                                         "are transferred besides the pages; no guard tracks or reads them"),
     KVShape.DP_ATTENTION: dict.fromkeys(PAGE_AND_BYTE_GUARDS, "not shown with several attention-DP ranks per "
-                                        "node (none runs on the CPU testbed)"),
+                                        "node (no DP-attention PD decode runs on the CPU testbed)"),
     KVShape.UNKNOWN_POOL: dict.fromkeys(PAGE_AND_BYTE_GUARDS, "sglang-harden does not read this pool class's "
                                         "buffers or index spaces"),
+}
+# A real node refusing the shape (and, its control, the same pair serving it in log mode)
+_REFUSAL_E2E: dict[KVShape, tuple[str, ...]] = {
+    KVShape.SWA: tuple(f"tests/e2e/test_swa_shape_e2e.py::{name}" for name in (
+        "test_log_mode_pair_serves_the_swa_shape_with_guards_over_part_of_its_kv",
+        "test_enforcing_decode_node_refuses_to_start_on_the_swa_shape")),
 }
 _MLA_E2E = "tests/e2e/test_model_shapes_e2e.py"
 _MLA_LATE_WRITE = ("tests/e2e/test_mla_late_write_e2e.py::test_vanilla_mla_late_write_corrupts_a_victim",
@@ -109,7 +115,8 @@ def coverage(shape: KVShape, guard: str) -> Coverage:
     if (shape, guard) in _COVERED:
         return _COVERED[(shape, guard)]
     reason = _REFUSALS.get(shape, {}).get(guard)
-    return Coverage(Cover.REFUSED, reason or "no test shows it on this shape")
+    evidence = _REFUSAL_E2E.get(shape, ()) if guard in PAGE_AND_BYTE_GUARDS else ()
+    return Coverage(Cover.REFUSED, reason or "no test shows it on this shape", evidence)
 
 
 def switch_off(guard: str) -> str:

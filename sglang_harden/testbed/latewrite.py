@@ -64,7 +64,6 @@ Progress = Callable[[str], None] | None
 
 
 BACKENDS = ("mooncake", "nixl")
-TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank of a TP-2 server on the CPU testbed
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,6 @@ class LateWriteSetup:
     # both servers with --enable-metrics; a hardened run scrapes decode's /metrics after the warm-up and again once
     # A's pages are in quarantine (``quarantine_scrapes``: the alert rules judged on a real pending late write)
     scrape_quarantine: bool = False
-    # prefill's --tp-size (2: two prefill ranks write to one decode rank; with MLA only one of them writes)
-    prefill_tp_size: int = 1
 
 
 # Decode pool per KV page size: A's pages (kept in quarantine by a hardened server) plus one victim fit, so a
@@ -174,7 +171,6 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         raise ValueError(f"late-write backend {setup.backend!r}: one of {BACKENDS}")
     model_path, model_flags = tiny_model(pin, setup.model)
     flags = (*model_flags, *(("--enable-metrics",) if setup.scrape_quarantine else ()))
-    prefill_tp = ("--tp-size", str(setup.prefill_tp_size)) if setup.prefill_tp_size > 1 else ()
     pair = PDPair(
         pin,
         transfer_backend=setup.backend,
@@ -188,9 +184,8 @@ def start_pair(pin: str, hardened: bool, setup: LateWriteSetup, log_dir: Path, r
         router=router,
         log_dir=log_dir,
         progress=True,
-        prefill_flags=(*flags, *prefill_tp),
+        prefill_flags=flags,
         decode_flags=flags,
-        prefill_env=TP2_ENV if prefill_tp else None,
         model_path=model_path,
     )
     return pair.start()

@@ -1,4 +1,5 @@
-"""The testbed's deterministic tiny models (no hub access): a Llama, and a DeepSeek-V2-shaped MLA model.
+"""The testbed's deterministic tiny models (no hub access): a Llama, a DeepSeek-V2-shaped MLA model, and a
+Mellum-shaped model with sliding-window layers (SGLang serves it from a hybrid SWA pool).
 
 Built by the pin's own python and transformers in a subprocess (files written by transformers 5.x do not
 load in 4.x) and cached per transformers major version under ``$SGLANG_HARDEN_HOME/models/``.
@@ -101,32 +102,61 @@ TINY_MLA_CONFIG = {
     "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
     "torch_dtype": "bfloat16", "initializer_range": 0.1,
 }
-# The tiny MLA model has no weight file: SGLang's dummy loader fills it, seeded, alike on every server.
-TINY_MLA_FLAGS = ("--load-format", "dummy")
+# The tiny MLA and SWA models have no weight file: SGLang's dummy loader fills them, seeded, alike on every server.
+DUMMY_WEIGHTS = ("--load-format", "dummy")
+TINY_MLA_FLAGS = DUMMY_WEIGHTS
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def build_tiny_mla_model(pin: str) -> Path:
     """The tiny MLA model for ``pin`` (config and the tiny Llama's tokenizer; serve it with ``TINY_MLA_FLAGS``)."""
+    return _config_only_model(pin, "mla", TINY_MLA_CONFIG)
+
+
+# Mellum (SGLang's is_hybrid_swa_model lists it; 0.5.19 and 0.5.23 have it): sliding and full attention layers in
+# turn, dense MLPs only (no MoE kernel on CPU). Its sliding-window layers' KV goes to SWAKVPool's second pool.
+TINY_SWA_CONFIG = {
+    "architectures": ["MellumForCausalLM"], "model_type": "mellum",
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": MAX_POSITIONS,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "mlp_layer_types": ["dense"] * 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "norm_topk_prob": True, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+    "rope_parameters": {"full_attention": {"rope_theta": 500000.0, "rope_type": "default"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_bias": False, "attention_dropout": 0.0,
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "dtype": "bfloat16",
+    "initializer_range": 0.02, "use_cache": True,
+}
+
+
+def build_tiny_swa_model(pin: str) -> Path:
+    """The tiny sliding-window model for ``pin`` (serve it with ``DUMMY_WEIGHTS``)."""
+    return _config_only_model(pin, "swa", TINY_SWA_CONFIG)
+
+
+def _config_only_model(pin: str, name: str, config_fields: dict[str, object]) -> Path:
+    """A model folder of ``config_fields`` and the tiny Llama's tokenizer (its weights: SGLang's dummy loader)."""
     import json
 
     llama = build_tiny_model(pin)
-    target = llama.parent / f"tiny-mla-v{MODEL_VERSION}-{llama.name.rpartition('-')[2]}"
-    config = json.dumps(TINY_MLA_CONFIG, indent=1, sort_keys=True)
+    target = llama.parent / f"tiny-{name}-v{MODEL_VERSION}-{llama.name.rpartition('-')[2]}"
+    config = json.dumps(config_fields, indent=1, sort_keys=True)
     if (target / "config.json").is_file() and (target / "config.json").read_text() == config:
         return target
 
     def build(folder: Path) -> None:
-        for name in _TOKENIZER_FILES:
-            if (llama / name).is_file():
-                shutil.copy2(llama / name, folder / name)
+        for file_name in _TOKENIZER_FILES:
+            if (llama / file_name).is_file():
+                shutil.copy2(llama / file_name, folder / file_name)
         (folder / "config.json").write_text(config)
 
     _build_in_place(target, build)
     return target
 
 
-TINY_MODELS = ("llama", "mla")
+TINY_MODELS = ("llama", "mla", "swa")
 
 
 def tiny_model(pin: str, model: str) -> tuple[Path, tuple[str, ...]]:
@@ -135,6 +165,8 @@ def tiny_model(pin: str, model: str) -> tuple[Path, tuple[str, ...]]:
         return build_tiny_model(pin), ()
     if model == "mla":
         return build_tiny_mla_model(pin), TINY_MLA_FLAGS
+    if model == "swa":
+        return build_tiny_swa_model(pin), DUMMY_WEIGHTS
     raise ValueError(f"tiny model {model!r}: one of {TINY_MODELS}")
 
 

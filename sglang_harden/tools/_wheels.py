@@ -19,22 +19,12 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from sglang_harden.compat.pins import RELEASE_RE, release_key
 from sglang_harden.testbed.envs import harden_home, venv_dir
-
-RELEASE_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?$")
 
 
 class ReleaseUnavailable(RuntimeError):
     """No tree for a release here, and the download failed (offline, no such release)."""
-
-
-def release_key(version: str) -> tuple[int, int, int, int]:
-    """Order of final releases (``0.4.9 < 0.4.9.post1 < 0.4.10``); ValueError for anything else (rc, dev)."""
-    match = RELEASE_RE.match(version)
-    if match is None:
-        raise ValueError(f"not a final SGLang release number: {version!r}")
-    major, minor, micro, post = match.groups()
-    return int(major), int(minor), int(micro), int(post) if post is not None else -1
 
 
 def pip_command() -> list[str]:

@@ -1,6 +1,6 @@
 """``sglang-harden compat sweep``: judge SGLang releases against the plugin's hooks, reading their code only.
 
-    sglang-harden compat sweep                              # every final release from 0.4.9.post6 on the index
+    sglang-harden compat sweep                              # every final release from 0.4.4.post2 on the index
     sglang-harden compat sweep --from 0.5.15 --to 0.5.23 --json
     sglang-harden compat sweep --releases 0.5.19,0.5.23 --offline   # trees already here (pin venvs, cache)
 
@@ -12,6 +12,12 @@ included) and the function, and its leading parameter names against the ones the
   they too; a backend the release has whose hooks do not resolve is named as lacking);
 - ``needs a patch``: some target is missing or changed shape (listed); the plugin refuses such a release;
 - ``impossible``: the release has no PD disaggregation at all.
+
+The default range starts at 0.4.4.post2, the first release with PD disaggregation (``sglang/srt/disaggregation/``
+with its prefill and decode scheduler paths; through 0.4.5 its KV transfer is a placeholder, Mooncake came with
+0.4.5.post1 and NIXL with 0.4.5.post3): older releases are out of scope. Every release also gets its protection
+from ``compat.reach``: ``plugin + series``, ``series``, ``plugin`` or ``none``, and for ``none`` the next step (the
+nearest protected releases on either side).
 
 Optional targets (hooks some releases of a family have) are reported as found or not. Doctor's detectors
 say which upstream protections the release has. ``e2e`` marks the releases the plugin supports today (tested
@@ -26,17 +32,22 @@ import ast
 import importlib
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sglang_harden.compat.backends import BACKEND_MODULES
 from sglang_harden.compat.hooks import PAGE_LEDGER_OWNER, Hook
 from sglang_harden.compat.internals import CONN, PD
+from sglang_harden.compat.reach import next_step, reach_of
 from sglang_harden.config import GUARDS
 
 FAMILIES = ("sglang_v05", "sglang_v049")
 PD_PACKAGE = PD
-DEFAULT_FROM = "0.4.9.post6"
+# The first release with PD disaggregation (sglang/srt/disaggregation/, read from the wheels of 0.4.4-0.4.9): every
+# release before it has nothing the plugin could guard.
+FIRST_PD_RELEASE = "0.4.4.post2"
+DEFAULT_FROM = FIRST_PD_RELEASE
 HOOKABLE, NEEDS_PATCH, IMPOSSIBLE = "hookable", "needs a patch", "impossible"
 NOT_IN_ADAPTER = "the {} adapter has no hooks for this guard"
 # "startup" is not a guard: its hooks (scheduler start, state report) are what lets the plugin run at all.
@@ -58,10 +69,43 @@ class GuardVerdict:
     misfit: bool = False
 
 
+PLUGIN_AND_SERIES, SERIES, PLUGIN, UNPROTECTED = "plugin + series", "series", "plugin", "none"
+
+
+@dataclass
+class Protection:
+    """What protects a release (``compat.reach``): the plugin, a backport series, both, or none; for ``none`` the
+    nearest protected releases on either side ("0.5.18 (series)") and the next step an operator reads."""
+
+    verdict: str
+    older: str | None = None
+    newer: str | None = None
+    next_step: str = ""
+
+
+def protection_of(release: str, series_pins: Iterable[str]) -> Protection:
+    """``release``'s protection; ``series_pins``: the releases with a backport series (``patch.available_pins``)."""
+    series = list(series_pins)
+    reach = reach_of(release, series)
+    verdict = {(True, True): PLUGIN_AND_SERIES, (False, True): SERIES, (True, False): PLUGIN,
+               (False, False): UNPROTECTED}[(reach.plugin, reach.series)]
+    if verdict != UNPROTECTED:
+        return Protection(verdict)
+    return Protection(verdict, reach.older, reach.newer, next_step(release, series))
+
+
+def series_pins_here() -> list[str]:
+    """The releases this checkout (or wheel) has a backport series for."""
+    from sglang_harden.tools.patch import available_pins, default_patches_dir
+
+    return available_pins(default_patches_dir())
+
+
 @dataclass
 class ReleaseReport:
     release: str
     e2e_supported: bool
+    protection: Protection | None = None
     adapter: str | None = None
     guards: dict[str, GuardVerdict] = field(default_factory=dict)
     optional: dict[str, bool] = field(default_factory=dict)
@@ -163,10 +207,13 @@ def judge_family(tree: Any, name: str) -> tuple[dict[str, GuardVerdict], dict[st
     return verdicts, found
 
 
-def judge_release(release: str, tree: Any, supported: dict[str, str]) -> ReleaseReport:
+def judge_release(release: str, tree: Any, supported: dict[str, str],
+                  series_pins: Iterable[str] | None = None) -> ReleaseReport:
+    """``series_pins``: the releases with a backport series (default: this checkout's, ``series_pins_here``)."""
     from sglang_harden.tools import _protections
 
-    report = ReleaseReport(release, release in supported)
+    report = ReleaseReport(release, release in supported, protection_of(
+        release, series_pins_here() if series_pins is None else series_pins))
     if not tree.exists(PD_PACKAGE):
         report.guards = {g: GuardVerdict(IMPOSSIBLE, missing=["no PD disaggregation in this release"])
                          for g in OWNERS}
@@ -229,15 +276,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, _wheels.ReleaseUnavailable) as exc:
         print(f"sglang-harden compat: {exc}", file=sys.stderr)
         return 2
+    series = series_pins_here()
     reports = []
     for release in releases:
         print(f"sglang-harden compat: judging {release}", file=sys.stderr)
         try:
             tree = SourceTree(_wheels.release_tree(release, download=not args.offline))
         except (_wheels.ReleaseUnavailable, FileNotFoundError) as exc:
-            reports.append(ReleaseReport(release, release in SUPPORTED_PINS, error=str(exc)))
+            reports.append(ReleaseReport(release, release in SUPPORTED_PINS, protection_of(release, series),
+                                         error=str(exc)))
             continue
-        reports.append(judge_release(release, tree, SUPPORTED_PINS))
+        reports.append(judge_release(release, tree, SUPPORTED_PINS, series))
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=2))
     else:
@@ -246,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _choose_releases(args: argparse.Namespace) -> list[str]:
-    from sglang_harden.tools._wheels import index_releases, release_key
+    from sglang_harden.compat.pins import release_key
+    from sglang_harden.tools._wheels import index_releases
 
     if args.releases:
         chosen = [r.strip() for r in args.releases.split(",") if r.strip()]
@@ -265,21 +315,68 @@ def render(reports: list[ReleaseReport]) -> str:
     rows, notes = _rows(reports)
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join([*lines, "", LEGEND, *(["", "why:"] + [f"  {n}" for n in notes] if notes else [])])
+    return "\n".join([*lines, "", LEGEND, "", tally(reports),
+                      *(["", "why:"] + [f"  {n}" for n in notes] if notes else [])])
 
 
 def render_markdown(reports: list[ReleaseReport]) -> str:
+    """docs/support.md: its header, the table (a ``markdown_row`` per report), the tally of protections, Why."""
     rows, notes = _rows(reports)
     table = [f"| {' | '.join(rows[0])} |", f"|{'---|' * len(rows[0])}"]
     table += [f"| {' | '.join(row)} |" for row in rows[1:]]  # = markdown_row of each report
     why = [f"- {n}" for n in notes]
-    return "\n".join([*table, "", LEGEND, *(["", "Why:", "", *why] if why else [])])
+    return "\n".join([*markdown_header(reports), "", *table, "", LEGEND, "", tally(reports),
+                      *(["", "Why:", "", *why] if why else [])])
+
+
+def markdown_header(reports: list[ReleaseReport]) -> list[str]:
+    """The title and the paragraph above the table (wrapped as docs/support.md keeps it)."""
+    import textwrap
+
+    span = f"from {reports[0].release} to {reports[-1].release}" if reports else "(none asked for)"
+    series_only = [r.release for r in reports if r.protection is not None and r.protection.verdict == SERIES]
+    text = (
+        f"Generated by `sglang-harden compat sweep --markdown` (every final SGLang release {span} on the package "
+        f"index, read statically: nothing installed or imported). {FIRST_PD_RELEASE} is the first release with PD "
+        "disaggregation (`sglang/srt/disaggregation/`, read from the wheels): releases before it are out of scope, "
+        "there is nothing in them to guard; through 0.4.5 its KV transfer is a placeholder (Mooncake came with "
+        "0.4.5.post1, NIXL with 0.4.5.post3). `e2e` marks the pins the plugin supports today, each tested end to "
+        "end on CPU in CI or by its pin suite. A release outside them is refused at start-up even when every hook "
+        "resolves, until its e2e passes (override: `SGLANG_HARDEN_ALLOW_UNKNOWN_PIN=1`, which takes the adapter this "
+        "table names for the release: the family whose hooks all resolve on its code, else the one with the fewest "
+        "gaps). Adapter `none`: no family fits; the cells are the closest family's. The 0.4.9 family fits only "
+        "releases that record a pending abort in `finished_reason` (to 0.5.4.post1): on 0.5.18 its hooks resolved "
+        "but it did not work (measured). `protected by` says what protects each release: the plugin (a supported "
+        "pin), a backport series (`patches/`, see `docs/matrix.md`), both, or none; for `none` it names the "
+        "nearest protected releases on either side, and Why gives the next step."
+        + (f" Protected by their series only (the plugin refuses them): {', '.join(series_only)}."
+           if series_only else ""))
+    return ["# Support matrix (generated)", "", *textwrap.wrap(text, 115, break_on_hyphens=False)]
+
+
+def tally(reports: list[ReleaseReport]) -> str:
+    """One line: how many releases each protection verdict covers."""
+    verdicts = [r.protection.verdict for r in reports if r.protection is not None]
+    counts = ", ".join(f"{verdicts.count(v)} {v}" for v in (PLUGIN_AND_SERIES, SERIES, PLUGIN, UNPROTECTED))
+    return f"Protection: {len(reports)} releases: {counts}."
+
+
+def protection_cell(protection: Protection | None) -> str:
+    """``plugin + series``, ``series``, ``plugin``, or ``none → <older> / <newer>`` (the nearest protected)."""
+    if protection is None:
+        return "?"
+    if protection.verdict != UNPROTECTED:
+        return protection.verdict
+    older, newer = (side or "-" for side in (protection.older, protection.newer))
+    return f"{UNPROTECTED} → {older} / {newer}"
 
 
 LEGEND = ("hook: every hook the guard needs resolves, read statically (Mooncake; NIXL and, from 0.5.9, MORI too "
           "unless '(no nixl)'/'(no mori)' says the guard refuses to start on that backend); PATCH: a "
           "target is missing or moved, or the adapter has none; -: no PD disaggregation; e2e: a supported pin, its "
-          "guards proven end to end on CPU (elsewhere 'hook' says the code fits, not that the guard works)")
+          "guards proven end to end on CPU (elsewhere 'hook' says the code fits, not that the guard works); "
+          "protected by: plugin, series (a backport series), both, or 'none → older / newer', the nearest protected "
+          "releases on either side ('-': none that side)")
 
 
 def markdown_row(report: ReleaseReport) -> str:
@@ -289,12 +386,15 @@ def markdown_row(report: ReleaseReport) -> str:
 
 def _rows(reports: list[ReleaseReport]) -> tuple[list[list[str]], list[str]]:
     guards = list(OWNERS)
-    header = ["release", "e2e", "adapter", *guards]
+    header = ["release", "e2e", "protected by", "adapter", *guards]
     rows = [header]
     notes: list[str] = []
     for r in reports:
+        e2e, protected = "yes" if r.e2e_supported else "", protection_cell(r.protection)
+        if r.protection is not None and r.protection.next_step:
+            notes.append(f"{r.release}: {r.protection.next_step}")
         if r.error:
-            rows.append([r.release, "", "?", *["?"] * len(guards)])
+            rows.append([r.release, e2e, protected, "?", *["?"] * len(guards)])
             notes.append(f"{r.release}: {r.error}")
             continue
         cells = []
@@ -304,7 +404,7 @@ def _rows(reports: list[ReleaseReport]) -> tuple[list[list[str]], list[str]]:
             if verdict.verdict == HOOKABLE:
                 cell += "".join(f" (no {name})" for name in verdict.lacking)
             cells.append(cell)
-        rows.append([r.release, "yes" if r.e2e_supported else "", r.adapter or "none", *cells])
+        rows.append([r.release, e2e, protected, r.adapter or "none", *cells])
         absent_guards = [g for g in guards if r.guards[g].missing == [NOT_IN_ADAPTER.format(r.adapter)]]
         if absent_guards:
             notes.append(f"{r.release}: the {r.adapter} adapter has no hooks for {', '.join(absent_guards)}")

@@ -23,7 +23,7 @@ from pathlib import Path
 from sglang_harden.tools import _protections as P
 from sglang_harden.tools._render import dump_json, table
 from sglang_harden.tools._source import SourceTree
-from sglang_harden.tools.launch_shapes import armed_guards, shape_state
+from sglang_harden.tools.launch_shapes import armed_guards, flag_value, shape_state
 
 EXIT_OK, EXIT_MISSING, EXIT_NO_SGLANG = 0, 1, 2
 COMPAT_UNAVAILABLE = "sglang-harden compat layer not available"
@@ -168,7 +168,7 @@ def switch_value(switch: str | None, launch_args: list[str], environ: dict[str, 
     if switch is None:
         return None
     if switch.startswith("--"):
-        return _flag_value(switch, launch_args)
+        return flag_value(launch_args, switch)
     if switch == P.BACKPORT_SECRET_ENV:  # the backport's authentication: on with a secret file, unless off
         if environ.get("SGLANG_HARDEN_BOOTSTRAP_AUTH", "").strip().lower() == "off":
             return "off"
@@ -178,16 +178,6 @@ def switch_value(switch: str | None, launch_args: list[str], environ: dict[str, 
             return "off"
         return switch_value(P.BACKPORT_SECRET_ENV, [], environ)
     return environ.get(switch)
-
-
-def _flag_value(flag: str, args: list[str]) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag:
-            following = args[i + 1] if i + 1 < len(args) else ""
-            return following if following and not following.startswith("--") else "set"
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def switched_on(native: P.Native, value: str | None) -> bool | None:
@@ -288,9 +278,9 @@ def _verdict(native: P.Native, on: bool | None, supplied: bool | None) -> str:
 def control_plane_auth(launch_args: list[str], environ: dict[str, str], modes: dict[str, str]) -> str:
     """What the bootstrap_auth guard will do on a server started with these settings: its mode when a secret
     file is configured (env or launcher flag), else "unauthenticated"."""
-    secret_file = environ.get("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE") or _flag_value(
-        "--harden-bootstrap-secret-file", launch_args)
-    mode = _flag_value("--harden-bootstrap-auth", launch_args) or modes.get("bootstrap_auth", "off")
+    secret_file = environ.get("SGLANG_HARDEN_BOOTSTRAP_SECRET_FILE") or flag_value(
+        launch_args, "--harden-bootstrap-secret-file")
+    mode = flag_value(launch_args, "--harden-bootstrap-auth") or modes.get("bootstrap_auth", "off")
     if not secret_file or secret_file == "set" or mode == "off":
         return "unauthenticated"
     return mode
@@ -301,10 +291,10 @@ def side_channel_auth(launch_args: list[str], environ: dict[str, str], modes: di
     ``side_channel_auth`` in ``/server_info``): it needs the control plane's secret file."""
     if control_plane_auth(launch_args, environ, {**modes, "bootstrap_auth": "enforce"}) == "unauthenticated":
         return "unauthenticated"
-    mode = _flag_value("--harden-zmq-auth", launch_args) or modes.get("zmq_auth", "off")
+    mode = flag_value(launch_args, "--harden-zmq-auth") or modes.get("zmq_auth", "off")
     if mode == "off":
         return "unauthenticated"
-    sign = _flag_value("--harden-zmq-sign", launch_args) or environ.get("SGLANG_HARDEN_ZMQ_SIGN", "1")
+    sign = flag_value(launch_args, "--harden-zmq-sign") or environ.get("SGLANG_HARDEN_ZMQ_SIGN", "1")
     return mode if sign.strip().lower() in ("1", "true", "yes", "on", "set") else f"{mode} (not signing)"
 
 

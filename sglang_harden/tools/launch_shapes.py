@@ -19,18 +19,21 @@ from sglang_harden.launch_server import split_harden_args
 _LINEAR_LAYER_WORDS = ("mamba", "linear_attention", "linear", "ssm")
 
 
-def _flag(args: list[str], *names: str) -> str | None:
+def flag_value(args: list[str], *names: str) -> str | None:
+    """The value of the first of ``names`` in launch arguments (``--x v`` or ``--x=v``), "set" for a flag given
+    without a value, None when absent."""
     for i, arg in enumerate(args):
         for name in names:
-            if arg == name and i + 1 < len(args):
-                return args[i + 1]
+            if arg == name:
+                following = args[i + 1] if i + 1 < len(args) else ""
+                return following if following and not following.startswith("--") else "set"
             if arg.startswith(name + "="):
                 return arg.split("=", 1)[1]
     return None
 
 
 def _model_config(args: list[str]) -> tuple[dict[str, Any] | None, str]:
-    path = _flag(args, "--model-path", "--model")
+    path = flag_value(args, "--model-path", "--model")
     if path is None:
         return None, "no --model-path"
     config = Path(path) / "config.json"
@@ -59,12 +62,12 @@ def launch_shapes(args: list[str]) -> tuple[list[KVShape], list[str]]:
     config, source = _model_config(args)
     shapes = _config_shapes(config) if config is not None else []
     details = [source]
-    speculative = _flag(args, "--speculative-algorithm")
+    speculative = flag_value(args, "--speculative-algorithm")
     if speculative and speculative.upper() != "NONE":
         shapes.append(KVShape.SPECULATIVE)
         details.append(f"--speculative-algorithm {speculative}")
-    dp_size = _flag(args, "--dp-size", "--dp") or "1"
-    attn_dp_size = _flag(args, "--attn-dp-size", "--attention-data-parallel-size") or "1"
+    dp_size = flag_value(args, "--dp-size", "--dp") or "1"
+    attn_dp_size = flag_value(args, "--attn-dp-size", "--attention-data-parallel-size") or "1"
     if ("--enable-dp-attention" in args and _above_one(dp_size)) or _above_one(attn_dp_size):
         shapes.append(KVShape.DP_ATTENTION)
         details.append(f"attention DP (--dp-size {dp_size}, --attn-dp-size {attn_dp_size})")

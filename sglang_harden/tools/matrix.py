@@ -28,9 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_harden.compat.pins import SUPPORTED_PINS
+from sglang_harden.compat.pins import SUPPORTED_PINS, release_key
 from sglang_harden.config import GUARDS
-from sglang_harden.tools._wheels import release_key
 
 PATHS = ("plugin", "patch")
 COLUMNS = (*GUARDS, "capacity")

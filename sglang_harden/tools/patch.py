@@ -29,7 +29,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sglang_harden.compat.pins import PATCHED_TREE_MARKER
+from sglang_harden.compat.pins import PATCHED_TREE_MARKER, RELEASE_RE, release_key
+from sglang_harden.compat.reach import next_step
 
 EXIT_OK, EXIT_MISSING, EXIT_USAGE, EXIT_VERSION, EXIT_REJECT = 0, 1, 2, 3, 4
 PATCHES_ENV = "SGLANG_HARDEN_PATCHES"
@@ -87,16 +88,22 @@ def default_patches_dir() -> Path:
 def available_pins(patches_dir: Path) -> list[str]:
     if not patches_dir.is_dir():
         return []
-    return sorted(p.name for p in patches_dir.iterdir() if (p / "series").is_file())
+    return sorted((p.name for p in patches_dir.iterdir() if (p / "series").is_file()), key=_release_order)
+
+
+def _release_order(name: str) -> tuple[bool, tuple[int, int, int, int], str]:
+    """Releases oldest first, then any other folder name."""
+    release = RELEASE_RE.match(name) is not None
+    return not release, release_key(name) if release else (0, 0, 0, 0), name
 
 
 def load_series(pin: str, patches_dir: Path) -> list[Patch]:
     folder = patches_dir / pin
     series_file = folder / "series"
     if not series_file.is_file():
-        known = ", ".join(available_pins(patches_dir)) or "none"
-        raise PatchError(f"no patch series for SGLang {pin} in {patches_dir} (series exist for: {known})",
-                         EXIT_USAGE)
+        known = available_pins(patches_dir)
+        raise PatchError(f"no patch series for SGLang {pin} in {patches_dir} (series exist for: "
+                         f"{', '.join(known) or 'none'}). {next_step(pin, known)}".rstrip(), EXIT_USAGE)
     patches = []
     for line in series_file.read_text().splitlines():
         name = line.split("#", 1)[0].strip()

@@ -4,12 +4,13 @@ one head and compares it with the matching head of prefill's single shard.
 
 - A clean request is verified on both ranks and answered (before the attention-TP rank was read where each pin
   keeps it, rank 1 took itself for rank 0, compared the wrong head and aborted every request: a false abort).
-- One bit flipped on decode rank 1 only (test shim ``flip@1:<room>``): vanilla answers 200 (shown on the first CI
+- One bit flipped on decode rank 1 only (test shim ``flip@1:<room>``): vanilla answers 200 (shown on the newest CI
   pin; every CI pin's vanilla serves a flipped bit in ``test_paged_profile_e2e.py``); hardened aborts the request
   on both ranks (rank 0 saw nothing wrong itself) within a bound, naming rank 1.
 
 The pins are the CI pins, which read the rank from different places (0.5.19: the scheduler's ``ps``; 0.5.23:
-``runtime_context.get_parallel()``).
+``runtime_context.get_parallel()``). CI runs 0.5.23 here and leaves 0.5.19's pair to the full run; the in-process
+digest tests read 0.5.19's ``ps`` on both CI pins.
 
 A TP-2 decode is three busy processes on a 2-core machine that also runs another test worker, so only one pair
 of this module runs at a time (the vanilla one first); like every testbed server they run with
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 
 from sglang_harden.testbed.client import greedy_body
-from sglang_harden.testbed.envs import ci_pins
+from sglang_harden.testbed.envs import ci_pins, full_run_only
 from sglang_harden.testbed.incident import tenant_a_prompt
 from sglang_harden.testbed.pd_topology import PDPair
 from sglang_harden.testbed.server import HARDENED_LAUNCHER, VANILLA_LAUNCHER
@@ -46,7 +47,8 @@ DIGEST_ONLY = {"SGLANG_HARDEN_ACTIVATE": "1", "SGLANG_HARDEN_CAPACITY": "log", "
                "SGLANG_HARDEN_PAGE_TAGS": "off", "SGLANG_HARDEN_CANARY": "log", "SGLANG_HARDEN_ABORT_NOTIFY": "off"}
 DECODE_TP2 = ["--tp-size", "2"]
 # Vanilla serves a flipped bit whatever the rank; one pin shows it on two ranks (a TP-2 pair is ~1.3 pairs' boot).
-VANILLA_PIN = ci_pins()[0]
+# the CI pin CI runs this module on (the other is in ci/pins.toml [ci].full_run_only)
+VANILLA_PIN = next(pin for pin in reversed(ci_pins()) if f"test_digest_tp2_e2e.py::{pin}" not in full_run_only())
 DECODE_TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 

@@ -1,4 +1,6 @@
-"""The incident on an MLA model (a tiny DeepSeek-V2 shape: ``MLATokenToKVPool``), per CI pin, and the model-shape gate.
+"""The incident on an MLA model (a tiny DeepSeek-V2 shape: ``MLATokenToKVPool``) and the model-shape gate, on 0.5.19
+and 0.5.23 (CI: 0.5.23, whose vanilla pair refuses B at prefill and holds decode; 0.5.19, whose vanilla pair leaks
+the latent rows, in the full run).
 
 The incident's pair (tests/e2e/test_incident.py's sizes, Mooncake, torch_native attention) serving the tiny MLA model
 (``testbed/model.py``; dummy weights, seeded: a CPU necessity, no weight file):
@@ -18,8 +20,8 @@ at a free latent page (``table`` fault): vanilla decodes over another request's 
 tags abort.
 
 The late write on the MLA pair, the lifecycle's case: tests/e2e/test_mla_late_write_e2e.py. The gate's refusal of a
-shape an armed guard does not cover is shown in process (tests/integration/test_model_shapes_inprocess.py): no
-refused shape serves on the CPU testbed.
+shape an armed guard does not cover: on a real sliding-window node in tests/e2e/test_swa_shape_e2e.py, on
+speculative decoding in process (tests/integration/test_model_shapes_inprocess.py).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sglang_harden.compat.hooks import Hook
+from sglang_harden.compat.pins import release_key
 from sglang_harden.tools import compat_sweep as sweep
 from sglang_harden.tools._source import SourceTree
-from sglang_harden.tools._wheels import release_key
 
 
 def _tree(root: Path, files: dict[str, str]) -> SourceTree:
@@ -164,3 +164,89 @@ def test_release_tree_is_unpacked_once_when_workers_ask_at_once(tmp_path: Path,
     assert not errors, errors
     assert fetched == ["9.9.9"] and len(set(trees)) == 1 and len(trees) == 4
     assert len(list((trees[0] / "sglang" / "srt").glob("*.py"))) == 200
+
+
+# ---------------------------------------------------------------- protection (compat.reach) per release
+
+SERIES_PINS = ("0.4.9.post6", "0.4.10.post2", "0.5.10.post1", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22",
+               "0.5.23")
+
+
+def test_a_supported_pin_with_a_series_is_protected_by_both() -> None:
+    assert sweep.protection_of("0.5.23", SERIES_PINS) == sweep.Protection("plugin + series")
+    assert sweep.protection_of("0.5.23", ()) == sweep.Protection("plugin")
+    assert sweep.protection_cell(sweep.protection_of("0.4.10.post2", SERIES_PINS)) == "plugin + series"
+
+
+def test_a_series_only_pin_is_protected_by_its_series() -> None:
+    protection = sweep.protection_of("0.5.18", SERIES_PINS)
+    assert protection == sweep.Protection("series", None, None, "")
+    assert sweep.protection_cell(protection) == "series"
+
+
+def test_an_unprotected_release_names_the_nearest_protected_ones_and_the_next_step() -> None:
+    protection = sweep.protection_of("0.5.11", SERIES_PINS)
+    assert (protection.verdict, protection.older, protection.newer) == (
+        "none", "0.5.10.post1 (series)", "0.5.18 (series)")
+    assert protection.next_step.startswith("Nothing here protects SGLang 0.5.11")
+    assert "older: 0.5.10.post1 (series); newer: 0.5.18 (series)" in protection.next_step
+    assert sweep.protection_cell(protection) == "none → 0.5.10.post1 (series) / 0.5.18 (series)"
+    first = sweep.protection_of(sweep.FIRST_PD_RELEASE, SERIES_PINS)
+    assert sweep.protection_cell(first) == "none → - / 0.4.9.post6 (plugin + series)"
+
+
+def test_the_default_range_starts_at_the_first_release_with_pd_disaggregation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from sglang_harden.tools import _wheels
+
+    assert sweep.DEFAULT_FROM == sweep.FIRST_PD_RELEASE == "0.4.4.post2"
+    monkeypatch.setattr(_wheels, "index_releases", lambda: ["0.4.4", "0.4.4.post1", "0.4.4.post2", "0.4.9.post5",
+                                                            "0.4.9.post6", "0.5.23"])
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    assert sweep._choose_releases(parser.parse_args(["sweep"])) == ["0.4.4.post2", "0.4.9.post5", "0.4.9.post6",
+                                                                    "0.5.23"]
+
+
+def test_every_report_in_json_and_markdown_carries_its_protection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_harden.cli import main
+    from sglang_harden.tools import _wheels
+
+    patches = tmp_path / "patches"
+    for pin in ("0.5.10.post1", "0.5.18", "0.5.23"):
+        (patches / pin).mkdir(parents=True)
+        (patches / pin / "series").write_text("")
+    monkeypatch.setenv("SGLANG_HARDEN_PATCHES", str(patches))
+    _tree(tmp_path / "tree", {"sglang/srt/managers/scheduler.py": "class Scheduler: ...\n"})
+    monkeypatch.setattr(_wheels, "release_tree", lambda release, download=True: tmp_path / "tree")
+    assert main(["compat", "sweep", "--releases", "0.5.23,0.5.11,0.5.18", "--json"]) == 0
+    reports = {r["release"]: r["protection"] for r in json.loads(capsys.readouterr().out)}
+    assert reports["0.5.23"] == {"verdict": "plugin + series", "older": None, "newer": None, "next_step": ""}
+    assert reports["0.5.18"]["verdict"] == "series"
+    assert (reports["0.5.11"]["verdict"], reports["0.5.11"]["older"], reports["0.5.11"]["newer"]) == (
+        "none", "0.5.10.post1 (series)", "0.5.18 (series)")
+    assert "compat sweep --releases 0.5.11" in reports["0.5.11"]["next_step"]
+
+    assert main(["compat", "sweep", "--releases", "0.5.23,0.5.11,0.5.18", "--markdown"]) == 0
+    markdown = capsys.readouterr().out.splitlines()
+    assert markdown[0] == "# Support matrix (generated)"
+    assert any(line.startswith("| release | e2e | protected by | adapter | startup |") for line in markdown)
+    assert any(line.startswith("| 0.5.11 |  | none → 0.5.10.post1 (series) / 0.5.18 (series) | none |")
+               for line in markdown)
+    assert any(line.startswith("| 0.5.23 | yes | plugin + series | none |") for line in markdown)
+    assert "Protection: 3 releases: 1 plugin + series, 1 series, 0 plugin, 1 none." in markdown
+    assert any(line.startswith("- 0.5.11: Nothing here protects SGLang 0.5.11") for line in markdown)
+
+
+def test_a_release_that_could_not_be_read_still_carries_its_protection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_harden.cli import main
+
+    monkeypatch.setenv("SGLANG_HARDEN_HOME", str(tmp_path))
+    assert main(["compat", "sweep", "--releases", "0.5.11", "--offline", "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["error"] and report["protection"]["verdict"] == "none"
+    assert report["protection"]["newer"] == "0.5.18 (series)"
